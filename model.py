@@ -1,0 +1,382 @@
+"""
+BERT written from scratch: the original architecture (post-LayerNorm, GELU, learned
+positions, token types) so that Hugging Face BERT checkpoints load unchanged.
+
+Notable choices:
+- Attention runs through F.scaled_dot_product_attention. Packed pretraining batches have
+  no padding, so they pass no mask at all and SDPA can take its flash kernel.
+- Q, K and V are one fused Linear (one GEMM instead of three); hf_weight_names() maps it
+  to and from Hugging Face's separate query/key/value tensors.
+- The MLM head is applied only to the positions being predicted (mlm_logits takes the
+  selected hidden states): at 15% masking this skips ~85% of the head's vocab GEMM.
+- Embedding rows are padded to a multiple of 64 (30522 -> 30528) so the vocab GEMM
+  gets tensor-core friendly shapes. Padded rows are sliced off the logits, so they are
+  never predicted, never a target and never sampled.
+"""
+import json
+import math
+import os
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class BertConfig:
+    vocab_size: int = 30522  # real vocabulary: the tokenizer's size
+    hidden_size: int = 768
+    num_layers: int = 12
+    num_heads: int = 12
+    intermediate_size: int = 3072  # FFN width, 4x hidden in every BERT size
+    max_position_embeddings: int = 512  # longest sequence the model accepts
+    type_vocab_size: int = 2  # segment A/B embeddings, used by GLUE sentence pairs
+    dropout: float = 0.1  # hidden and attention dropout, as in BERT
+    layer_norm_eps: float = 1e-12  # BERT's value; HF checkpoints expect it
+    pad_vocab_to: int = 64  # embedding rows padded to a multiple of this for fast GEMMs
+    # special token ids belong to the vocabulary the model was trained with
+    pad_token_id: int = 0
+    unk_token_id: int = 1
+    cls_token_id: int = 2
+    sep_token_id: int = 3
+    mask_token_id: int = 4
+
+    @property
+    def padded_vocab_size(self):
+        return math.ceil(self.vocab_size / self.pad_vocab_to) * self.pad_vocab_to
+
+
+# sizes from the TACO paper (small, base); tiny is for tests and CPU smoke runs
+MODEL_PRESETS = {
+    "tiny": dict(num_layers=2, hidden_size=128, num_heads=2, intermediate_size=512),
+    "small": dict(num_layers=4, hidden_size=512, num_heads=8, intermediate_size=2048),
+    "base": dict(num_layers=12, hidden_size=768, num_heads=12, intermediate_size=3072),
+}
+
+
+class Embeddings(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.word = nn.Embedding(config.padded_vocab_size, config.hidden_size)
+        self.position = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.token_type = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        self.ln = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, input_ids, token_type_ids=None):
+        T = input_ids.size(1)
+        x = self.word(input_ids) + self.position.weight[:T]  # (B, T, D) + (T, D)
+        # all-zero token types (every pretraining batch) need no lookup
+        x = x + (self.token_type.weight[0] if token_type_ids is None else self.token_type(token_type_ids))
+        return self.drop(self.ln(x))
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.dropout = config.dropout
+        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
+        self.proj = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(self, x, attn_mask=None):
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).split(D, dim=2)
+        # (B, T, D) -> (B, nh, T, hs)
+        q, k, v = (t.view(B, T, self.num_heads, D // self.num_heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        y = y.transpose(1, 2).reshape(B, T, D)  # (B, nh, T, hs) -> (B, T, D)
+        return self.proj(y)
+
+
+class Layer(nn.Module):
+    """Post-LN transformer layer: x = LN(x + Attn(x)); x = LN(x + FFN(x)), as in BERT."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.attn = SelfAttention(config)
+        self.ln1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.up = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.down = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.ln2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x, attn_mask=None):
+        x = self.ln1(x + self.drop(self.attn(x, attn_mask)))
+        return self.ln2(x + self.drop(self.down(F.gelu(self.up(x)))))  # exact (erf) GELU, as BERT
+
+
+class Encoder(nn.Module):
+    """A stack of layers. COCO-LM/ELECTRA generators build a shallower one on shared embeddings."""
+
+    def __init__(self, config, num_layers=None):
+        super().__init__()
+        self.layers = nn.ModuleList(Layer(config) for _ in range(num_layers or config.num_layers))
+
+    def forward(self, x, attention_mask=None, all_layers=False):
+        # attention_mask (B, T): 1 = token, 0 = padding. None = no padding: SDPA's flash path
+        attn_mask = None if attention_mask is None else attention_mask.bool()[:, None, None, :]  # (B, 1, 1, T)
+        hidden = [x]
+        for layer in self.layers:
+            x = layer(x, attn_mask)
+            hidden.append(x)
+        return hidden if all_layers else x
+
+
+class MLMHead(nn.Module):
+    """BERT's head: dense -> GELU -> LayerNorm -> decoder tied to the word embeddings, plus a bias."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.vocab_size = config.vocab_size
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.ln = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.bias = nn.Parameter(torch.zeros(config.padded_vocab_size))
+
+    def forward(self, h, decoder_weight):
+        x = self.ln(F.gelu(self.dense(h)))
+        return F.linear(x, decoder_weight, self.bias)[..., :self.vocab_size]  # drop the padded rows
+
+
+class Bert(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.embeddings = Embeddings(config)
+        self.encoder = Encoder(config)
+        self.head = MLMHead(config)
+        self.pooler = None  # only kept when a loaded checkpoint has one (eval.py adds a fresh one)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module):
+        # BERT's initialisation: N(0, 0.02) weights, zero biases, unit LayerNorm
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def num_params(self):
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, return_embeddings=False, all_layers=False):
+        """Last hidden states (B, T, D); with return_embeddings also the embedding layer's
+        output emb(x) (TACO's h - emb(x)); with all_layers the list [emb, layer 1, ..., layer L]."""
+        T = input_ids.size(1)
+        if T > self.config.max_position_embeddings:
+            raise ValueError(f"sequence length {T} exceeds the model's max_position_embeddings "
+                             f"{self.config.max_position_embeddings}")
+        emb = self.embeddings(input_ids, token_type_ids)
+        hidden = self.encoder(emb, attention_mask, all_layers=all_layers)
+        if all_layers:
+            return hidden
+        return (hidden, emb) if return_embeddings else hidden
+
+    def mlm_logits(self, h):
+        """MLM logits (..., vocab_size) for the given hidden states: pass only the predicted positions."""
+        return self.head(h, self.embeddings.word.weight)
+
+    # ----------------------------------------------------------------------------------
+    # Hugging Face import / export
+
+    @classmethod
+    def from_pretrained(cls, path):
+        """Load a Hugging Face BERT directory (BertForMaskedLM or BertModel weights, in
+        model.safetensors or pytorch_model.bin), a run directory of this project (same
+        format), or a training checkpoint file ckpt.pt of this project."""
+        if os.path.isfile(path):
+            return _load_project_checkpoint(path)
+        if not os.path.isdir(path):
+            raise ValueError(f"{path}: no such checkpoint file or directory")
+        cfg_path = os.path.join(path, "config.json")
+        if not os.path.isfile(cfg_path):
+            if os.path.isfile(os.path.join(path, "ckpt.pt")):
+                return _load_project_checkpoint(os.path.join(path, "ckpt.pt"))
+            raise ValueError(f"{path}: not a checkpoint (no config.json or ckpt.pt)")
+        try:
+            with open(cfg_path) as f:
+                hf = json.load(f)
+            config = config_from_hf(hf, vocab_file=os.path.join(path, "vocab.txt"))
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{cfg_path}: not a valid BERT config ({e!r})") from None
+        state = _read_weights(path)
+        model = cls(config)
+        model.load_hf_state_dict(state, source=path)
+        return model
+
+    def load_hf_state_dict(self, state, source="checkpoint"):
+        # old Google checkpoints name LayerNorm parameters gamma/beta
+        state = {k.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias"): v
+                 for k, v in state.items()}
+        if not any(k.startswith("bert.") for k in state):  # BertModel: no "bert." prefix, no head
+            state = {"bert." + k: v for k, v in state.items()}
+        own = self.state_dict()
+        names = hf_weight_names(self.config)
+        has_head = "cls.predictions.transform.dense.weight" in state
+        for ours, theirs in names.items():
+            if ours.startswith("head.") and not has_head:
+                continue  # a BertModel checkpoint: the MLM head keeps its fresh init
+            theirs = [theirs] if isinstance(theirs, str) else theirs
+            missing = [t for t in theirs if t not in state]
+            if missing:
+                raise ValueError(f"{source}: missing weight {missing[0]} (not a BERT checkpoint of this shape?)")
+            tensor = torch.cat([state[t] for t in theirs]) if len(theirs) > 1 else state[theirs[0]]
+            target = own[ours]
+            if tensor.shape[1:] != target.shape[1:]:
+                raise ValueError(f"{source}: {theirs[0]} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+            if ours in ("embeddings.word.weight", "head.bias"):  # pad the vocab rows with zeros
+                if tensor.size(0) != self.config.vocab_size:
+                    raise ValueError(f"{source}: {theirs[0]} has {tensor.size(0)} rows, config says vocab_size "
+                                     f"{self.config.vocab_size}")
+                tensor = torch.cat([tensor, target.new_zeros((target.size(0) - tensor.size(0),) + target.shape[1:])])
+            if tensor.shape != target.shape:
+                raise ValueError(f"{source}: {theirs[0]} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+            target.copy_(tensor)
+        if "bert.pooler.dense.weight" in state:
+            self.pooler = nn.Linear(self.config.hidden_size, self.config.hidden_size)
+            self.pooler.weight.data.copy_(state["bert.pooler.dense.weight"])
+            self.pooler.bias.data.copy_(state["bert.pooler.dense.bias"])
+
+    def hf_state_dict(self):
+        """Weights under Hugging Face BertForMaskedLM names, vocab padding removed."""
+        own, V = self.state_dict(), self.config.vocab_size
+        out = {}
+        for ours, theirs in hf_weight_names(self.config).items():
+            tensor = own[ours]
+            if ours in ("embeddings.word.weight", "head.bias"):
+                tensor = tensor[:V]
+            if isinstance(theirs, str):
+                out[theirs] = tensor
+            else:  # split the fused qkv back into query, key, value
+                out.update(zip(theirs, tensor.chunk(len(theirs))))
+        if self.pooler is not None:
+            out["bert.pooler.dense.weight"], out["bert.pooler.dense.bias"] = self.pooler.weight, self.pooler.bias
+        return {k: v.detach().cpu().contiguous() for k, v in out.items()}
+
+    def save_pretrained(self, out_dir, tokenizer_dir=None):
+        """Write a directory that transformers.AutoModelForMaskedLM.from_pretrained loads,
+        with the tokenizer files copied from tokenizer_dir. Each file is written atomically."""
+        from safetensors.torch import save_file
+        os.makedirs(out_dir, exist_ok=True)
+        weights = os.path.join(out_dir, "model.safetensors")
+        save_file(self.hf_state_dict(), weights + ".tmp", metadata={"format": "pt"})
+        os.replace(weights + ".tmp", weights)
+        _write_atomic(os.path.join(out_dir, "config.json"), json.dumps(config_to_hf(self.config), indent=2))
+        if tokenizer_dir and os.path.abspath(tokenizer_dir) != os.path.abspath(out_dir):
+            for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+                src = os.path.join(tokenizer_dir, name)
+                if os.path.isfile(src):
+                    with open(src, encoding="utf-8") as f:
+                        _write_atomic(os.path.join(out_dir, name), f.read())
+
+
+def hf_weight_names(config):
+    """Our parameter name -> Hugging Face BertForMaskedLM name (a list where we fuse tensors)."""
+    names = {
+        "embeddings.word.weight": "bert.embeddings.word_embeddings.weight",
+        "embeddings.position.weight": "bert.embeddings.position_embeddings.weight",
+        "embeddings.token_type.weight": "bert.embeddings.token_type_embeddings.weight",
+        "embeddings.ln.weight": "bert.embeddings.LayerNorm.weight",
+        "embeddings.ln.bias": "bert.embeddings.LayerNorm.bias",
+        "head.dense.weight": "cls.predictions.transform.dense.weight",
+        "head.dense.bias": "cls.predictions.transform.dense.bias",
+        "head.ln.weight": "cls.predictions.transform.LayerNorm.weight",
+        "head.ln.bias": "cls.predictions.transform.LayerNorm.bias",
+        "head.bias": "cls.predictions.bias",
+    }
+    for i in range(config.num_layers):
+        ours, hf = f"encoder.layers.{i}.", f"bert.encoder.layer.{i}."
+        for p in ("weight", "bias"):
+            names[ours + f"attn.qkv.{p}"] = [hf + f"attention.self.{n}.{p}" for n in ("query", "key", "value")]
+            names[ours + f"attn.proj.{p}"] = hf + f"attention.output.dense.{p}"
+            names[ours + f"ln1.{p}"] = hf + f"attention.output.LayerNorm.{p}"
+            names[ours + f"up.{p}"] = hf + f"intermediate.dense.{p}"
+            names[ours + f"down.{p}"] = hf + f"output.dense.{p}"
+            names[ours + f"ln2.{p}"] = hf + f"output.LayerNorm.{p}"
+    return names
+
+
+def config_to_hf(config):
+    return {
+        "architectures": ["BertForMaskedLM"], "model_type": "bert", "hidden_act": "gelu",
+        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+        "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
+        "intermediate_size": config.intermediate_size,
+        "max_position_embeddings": config.max_position_embeddings, "type_vocab_size": config.type_vocab_size,
+        "hidden_dropout_prob": config.dropout, "attention_probs_dropout_prob": config.dropout,
+        "layer_norm_eps": config.layer_norm_eps, "initializer_range": 0.02,
+        "pad_token_id": config.pad_token_id, "position_embedding_type": "absolute",
+        # extra keys, ignored by transformers, so this project knows its special tokens
+        "unk_token_id": config.unk_token_id, "cls_token_id": config.cls_token_id,
+        "sep_token_id": config.sep_token_id, "mask_token_id": config.mask_token_id,
+    }
+
+
+def config_from_hf(hf, vocab_file=None):
+    if hf.get("hidden_act", "gelu") != "gelu" or hf.get("position_embedding_type", "absolute") != "absolute":
+        raise ValueError(f"unsupported BERT variant (hidden_act={hf.get('hidden_act')}, "
+                         f"position_embedding_type={hf.get('position_embedding_type')})")
+    config = BertConfig(
+        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
+        num_heads=hf["num_attention_heads"], intermediate_size=hf["intermediate_size"],
+        max_position_embeddings=hf["max_position_embeddings"], type_vocab_size=hf.get("type_vocab_size", 2),
+        dropout=hf.get("hidden_dropout_prob", 0.1), layer_norm_eps=hf.get("layer_norm_eps", 1e-12),
+        pad_token_id=hf.get("pad_token_id") or 0)
+    specials = dict(unk_token_id="[UNK]", cls_token_id="[CLS]", sep_token_id="[SEP]", mask_token_id="[MASK]")
+    vocab = None
+    if not all(k in hf for k in specials) and vocab_file and os.path.isfile(vocab_file):
+        with open(vocab_file, encoding="utf-8") as f:
+            vocab = {line.rstrip("\n"): i for i, line in enumerate(f)}
+    for key, token in specials.items():
+        if key in hf:
+            setattr(config, key, hf[key])
+        elif vocab is not None and token in vocab:
+            setattr(config, key, vocab[token])
+        elif config.vocab_size == 30522:  # bert-base-uncased's layout
+            setattr(config, key, {"[UNK]": 100, "[CLS]": 101, "[SEP]": 102, "[MASK]": 103}[token])
+    return config
+
+
+def _read_weights(path):
+    st, pt = os.path.join(path, "model.safetensors"), os.path.join(path, "pytorch_model.bin")
+    try:
+        if os.path.isfile(st):
+            from safetensors.torch import load_file
+            return load_file(st)
+        if os.path.isfile(pt):
+            return torch.load(pt, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ValueError(f"{path}: corrupt weights file ({type(e).__name__}: {str(e)[:200]})") from None
+    raise ValueError(f"{path}: no model.safetensors or pytorch_model.bin")
+
+
+def load_checkpoint_file(path):
+    """torch.load a training checkpoint, turning any failure into one clear ValueError."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:
+        raise ValueError(f"{path}: corrupt or unreadable checkpoint ({type(e).__name__}: {str(e)[:200]})") from None
+    if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
+        raise ValueError(f"{path}: not a checkpoint of this project (no model / model_config)")
+    return ckpt
+
+
+def _load_project_checkpoint(path):
+    ckpt = load_checkpoint_file(path)
+    names = {f.name for f in fields(BertConfig)}
+    model = Bert(BertConfig(**{k: v for k, v in ckpt["model_config"].items() if k in names}))
+    if "pooler.weight" in ckpt["model"]:
+        model.pooler = nn.Linear(model.config.hidden_size, model.config.hidden_size)
+    try:
+        model.load_state_dict(ckpt["model"])
+    except RuntimeError as e:
+        raise ValueError(f"{path}: weights do not match the model config ({str(e).splitlines()[0]})") from None
+    return model
+
+
+def _write_atomic(path, text):
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)

@@ -1,0 +1,119 @@
+"""model.py against Hugging Face transformers.BertForMaskedLM on the same random weights."""
+import json
+import os
+
+import pytest
+import torch
+
+from model import Bert, BertConfig
+
+transformers = pytest.importorskip("transformers")
+
+TINY = dict(vocab_size=100, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64,
+            max_position_embeddings=40)
+
+
+def hf_tiny(seed=0):
+    torch.manual_seed(seed)
+    cfg = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=64, max_position_embeddings=40,
+                                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return transformers.BertForMaskedLM(cfg).eval()
+
+
+def save_hf(hf, path):
+    hf.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_hf_import_logits_match(tmp_path, with_mask):
+    hf = hf_tiny()
+    ours = Bert.from_pretrained(save_hf(hf, str(tmp_path))).eval()
+    assert ours.config.padded_vocab_size == 128 and ours.config.vocab_size == 100
+    x = torch.randint(5, 100, (3, 17))
+    mask = torch.ones_like(x)
+    if with_mask:
+        mask[1, 10:] = 0
+        mask[2, 4:] = 0
+    with torch.no_grad():
+        ref = hf(input_ids=x, attention_mask=mask).logits
+        h = ours(x, attention_mask=mask if with_mask else None)
+        got = ours.mlm_logits(h)
+    real = mask.bool()  # padded positions' outputs are meaningless in both models
+    assert got.shape == ref.shape
+    assert torch.allclose(got[real], ref[real], atol=1e-4), (got - ref)[real].abs().max()
+
+
+def test_token_types_and_bertmodel_names(tmp_path):
+    torch.manual_seed(1)
+    hf = transformers.BertModel(hf_tiny().config).eval()
+    hf.save_pretrained(str(tmp_path))  # BertModel: no "bert." prefix, has a pooler
+    ours = Bert.from_pretrained(str(tmp_path)).eval()
+    assert torch.equal(ours.pooler.weight, hf.pooler.dense.weight)
+    x = torch.randint(5, 100, (2, 9))
+    tt = torch.zeros_like(x)
+    tt[:, 5:] = 1
+    with torch.no_grad():
+        ref = hf(input_ids=x, token_type_ids=tt).last_hidden_state
+        got = ours(x, token_type_ids=tt)
+    assert torch.allclose(got, ref, atol=1e-4)
+
+
+def test_export_loads_back_into_transformers(tmp_path):
+    torch.manual_seed(0)
+    ours = Bert(BertConfig(**TINY, dropout=0.0)).eval()
+    ours.save_pretrained(str(tmp_path))
+    hf = transformers.AutoModelForMaskedLM.from_pretrained(str(tmp_path)).eval()
+    x = torch.randint(5, 100, (2, 12))
+    with torch.no_grad():
+        assert torch.allclose(hf(input_ids=x).logits, ours.mlm_logits(ours(x)), atol=1e-4)
+    # and back into ours, through the same path
+    again = Bert.from_pretrained(str(tmp_path)).eval()
+    with torch.no_grad():
+        assert torch.equal(again.mlm_logits(again(x)), ours.mlm_logits(ours(x)))
+
+
+def test_return_embeddings_and_all_layers():
+    torch.manual_seed(0)
+    m = Bert(BertConfig(**TINY, dropout=0.0)).eval()
+    x = torch.randint(5, 100, (2, 7))
+    h, emb = m(x, return_embeddings=True)
+    layers = m(x, all_layers=True)
+    assert len(layers) == 3 and torch.equal(layers[0], emb) and torch.equal(layers[-1], h)
+
+
+def test_padded_vocab_rows_never_predicted():
+    m = Bert(BertConfig(**TINY))
+    assert m.embeddings.word.weight.shape[0] == 128
+    assert m.mlm_logits(torch.randn(5, 32)).shape == (5, 100)
+
+
+def test_too_long_sequence_is_a_clear_error():
+    m = Bert(BertConfig(**TINY))
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        m(torch.zeros(1, 41, dtype=torch.long))
+
+
+def test_bad_checkpoints_are_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match="no such"):
+        Bert.from_pretrained(str(tmp_path / "nope"))
+    with pytest.raises(ValueError, match="not a checkpoint"):
+        Bert.from_pretrained(str(tmp_path))
+    ours = Bert(BertConfig(**TINY))
+    ours.save_pretrained(str(tmp_path))
+    with open(tmp_path / "model.safetensors", "wb") as f:
+        f.write(b"garbage")
+    with pytest.raises(ValueError, match="corrupt"):
+        Bert.from_pretrained(str(tmp_path))
+    cfg = json.load(open(tmp_path / "config.json"))
+    ours.save_pretrained(str(tmp_path))
+    cfg["hidden_size"] = 64
+    json.dump(cfg, open(tmp_path / "config.json", "w"))
+    with pytest.raises(ValueError, match="shape|missing"):
+        Bert.from_pretrained(str(tmp_path))
+    bad = tmp_path / "ckpt.pt"
+    bad.write_bytes(b"\x00" * 10)
+    with pytest.raises(ValueError, match="corrupt"):
+        Bert.from_pretrained(str(bad))
+    assert os.path.isfile(tmp_path / "model.safetensors")  # nothing saved was removed
