@@ -156,6 +156,7 @@ def _resolve_files(data):
 def _load_corpus(data, files, cache_dir):
     """[(kind, Dataset with a "text" column)] in corpus order; kind "lines" or "docs" (row = document)."""
     import datasets  # imported here: it costs ~2 s and is only needed on a cache miss
+    datasets.disable_progress_bars()  # our own bar below is enough
     hf_cache = str(Path(cache_dir) / "hf")
     if files is None:
         name, _, config = data.partition(":")
@@ -218,7 +219,8 @@ def _tokenize(tok, parts, path, dtype, data):
     """Encode the corpus into `path` (atomically); returns the number of tokens."""
     sep = special_token_ids(tok)["sep"]
     tmp, n = f"{path}.tmp{os.getpid()}", 0
-    bar = tqdm(total=sum(len(ds) for _, ds in parts), unit="rows", desc="tokenizing")
+    # disable=None: a bar on a terminal, nothing in logs and captured output
+    bar = tqdm(total=sum(len(ds) for _, ds in parts), unit="rows", desc="tokenizing", disable=None)
     with open(tmp, "wb") as f:
         for pieces in _pieces(parts, bar):
             # encode_batch_fast runs on every core and skips the offsets we don't need

@@ -1,0 +1,197 @@
+"""train.py end to end on CPU: flags, every objective's smoke run, bad input, DDP, kill + resume."""
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import train
+
+HERE = Path(__file__).resolve().parent
+WORDS = dict(det=["the", "a", "every", "some"], adj=["red", "small", "quiet", "old", "bright", "heavy"],
+             noun=["cat", "river", "engine", "garden", "teacher", "city", "storm", "letter"],
+             verb=["sees", "follows", "moves", "finds", "builds", "carries"])
+
+
+def write_corpus(path, n_sentences=6000, seed=0):
+    """Structured toy text: determiner-adjective-noun-verb patterns an MLM can learn fast."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n_sentences // 10):
+        lines.append(" ".join(
+            f"{rng.choice(WORDS['det'])} {rng.choice(WORDS['adj'])} {rng.choice(WORDS['noun'])} "
+            f"{rng.choice(WORDS['verb'])} {rng.choice(WORDS['det'])} {rng.choice(WORDS['noun'])} ."
+            for _ in range(10)))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus") / "toy.txt")
+
+
+def run(args, cwd=HERE, timeout=300, **kw):
+    return subprocess.run([sys.executable, "train.py", *map(str, args)], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, **kw)
+
+
+def common(corpus, tmp_path, out="run", **over):
+    flags = dict(data=corpus, cache_dir=tmp_path / "cache", out_dir=tmp_path / out, vocab_size=200, seq_len=32,
+                 batch_size=8, tokens_per_step=256, max_steps=40, lr=2e-3, warmup_steps=5, log_interval=5,
+                 eval_interval=20, eval_batches=2, ckpt_interval=20, taco_negatives=8)
+    flags.update(over)
+    return [x for k, v in flags.items() for x in (f"--{k}", v)]
+
+
+def read_log(out_dir):
+    lines = [json.loads(line) for line in open(Path(out_dir) / "log.jsonl")]
+    return lines[0], lines[1:]
+
+
+# ---- flags
+
+def test_flags_presets_and_types():
+    cfg, given = train.parse_args(["--max_steps", "7", "--preset=small", "--compile", "--taco_stop_grad=false"])
+    assert cfg.max_steps == 7 and cfg.model_size == "small" and cfg.seq_len == 256  # preset, then flags
+    assert cfg.compile is True and cfg.taco_stop_grad is False and set(given) == {
+        "max_steps", "preset", "compile", "taco_stop_grad"}
+    for bad, msg in ((["--nope", "1"], "unknown flag"), (["--max_steps", "x"], "expects int"),
+                     (["--preset", "huge"], "unknown preset"), (["--compile", "maybe"], "true or false")):
+        with pytest.raises(ValueError, match=msg):
+            train.parse_args(bad)
+
+
+def test_help_lists_fields_with_comments():
+    out = subprocess.run([sys.executable, "train.py", "--help"], cwd=HERE, capture_output=True, text=True)
+    assert out.returncode == 0 and "--taco_negatives" in out.stdout and "K negatives" in out.stdout
+
+
+def test_lr_schedule_warmup_then_linear_decay():
+    cfg = train.TrainConfig(lr=1.0, warmup_steps=10, max_steps=110)
+    assert train.lr_at(0, cfg) == pytest.approx(0.1) and train.lr_at(9, cfg) == pytest.approx(1.0)
+    assert train.lr_at(60, cfg) == pytest.approx(0.5) and train.lr_at(110, cfg) == 0.0
+
+
+# ---- every objective trains through train.py and its loss falls
+
+def test_mlm_smoke_run_held_out_loss_falls_and_exports(corpus, tmp_path):
+    r = run(common(corpus, tmp_path, max_steps=60, eval_interval=10))
+    assert r.returncode == 0, r.stderr
+    header, records = read_log(tmp_path / "run")
+    assert header["config"]["objective"] == "mlm"
+    val = [x["val_mlm_loss"] for x in records if "val_mlm_loss" in x]
+    assert len(val) == 7 and val[-1] < val[0] - 0.5, val
+    train_lines = [x for x in records if "loss" in x]
+    assert {"mlm_loss", "mlm_acc", "lr", "tokens_per_s", "elapsed_s"} <= set(train_lines[-1])
+    for f in ("ckpt.pt", "config.json", "model.safetensors", "vocab.txt", "tokenizer.json"):
+        assert (tmp_path / "run" / f).is_file(), f
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForMaskedLM.from_pretrained(str(tmp_path / "run"))
+    tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "run"))
+    assert hf.config.vocab_size == len(tok)
+
+
+@pytest.mark.parametrize("objective", ["taco", "cocolm", "electra"])
+def test_objective_trains_and_loss_falls(corpus, tmp_path, objective):
+    r = run(common(corpus, tmp_path, objective=objective, max_steps=40))
+    assert r.returncode == 0, r.stderr
+    _, records = read_log(tmp_path / "run")
+    losses = [x["loss"] for x in records if "loss" in x]
+    assert losses[-1] < losses[0], losses
+
+
+def test_tacl_needs_init_from_then_continues_an_mlm_run(corpus, tmp_path):
+    r = run(common(corpus, tmp_path, objective="tacl", out="tacl"))
+    assert r.returncode != 0 and "--objective mlm" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert run(common(corpus, tmp_path, out="mlm", max_steps=20)).returncode == 0
+    r = run(common(corpus, tmp_path, objective="tacl", out="tacl", init_from=tmp_path / "mlm"))
+    assert r.returncode == 0, r.stderr
+    _, records = read_log(tmp_path / "tacl")
+    train_lines = [x for x in records if "loss" in x]
+    losses = [x["loss"] for x in train_lines]
+    assert "tacl_loss" in train_lines[0] and losses[-1] < losses[0], losses
+
+
+# ---- bad input: one clear line, non-zero exit, nothing saved lost
+
+def test_bad_input_is_one_clear_error(corpus, tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "corrupt.pt").write_bytes(b"not a checkpoint")
+    assert run(common(corpus, tmp_path, out="good", max_steps=5, ckpt_interval=5)).returncode == 0
+    saved = (tmp_path / "good" / "ckpt.pt").read_bytes()
+    cases = [
+        (["--objective", "bogus"], "unknown objective"),
+        (["--bogus_flag", "1"], "unknown flag"),
+        (["--data", tmp_path / "missing.txt"], "missing.txt"),
+        (["--data", tmp_path / "empty.txt"], "empty"),
+        (["--seq_len", "600"], "max_position_embeddings"),
+        (["--resume", tmp_path / "corrupt.pt"], "corrupt"),
+        (["--init_from", tmp_path / "corrupt.pt"], "corrupt"),
+        (["--init_from", tmp_path], "not a checkpoint"),
+        (["--resume", tmp_path / "good", "--objective", "taco"], "objective"),
+        (["--out_dir", tmp_path / "good"], "already holds a run"),
+    ]
+    for extra, message in cases:
+        r = run(common(corpus, tmp_path, out="bad") + [str(x) for x in extra], timeout=120)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode != 0 and len(lines) == 1 and lines[0].startswith("error:"), (extra, r.stderr)
+        assert message.lower() in lines[0].lower(), (extra, lines[0])
+    assert (tmp_path / "good" / "ckpt.pt").read_bytes() == saved
+
+
+# ---- distributed: two gloo processes == one process with the same global batch
+
+def test_ddp_two_processes_match_one_process(corpus, tmp_path):
+    flags = dict(max_steps=3, log_interval=1, eval_interval=100, ckpt_interval=3, tokens_per_step=512)
+    single = run(common(corpus, tmp_path, out="single", **flags))  # 2 micro-batches of 8 accumulated
+    assert single.returncode == 0, single.stderr
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    ddp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          "train.py", *map(str, common(corpus, tmp_path, out="ddp", **flags))],
+                         cwd=HERE, capture_output=True, text=True, timeout=300, env=env)
+    assert ddp.returncode == 0, ddp.stderr[-2000:]
+    assert "grad_accum 1" in ddp.stdout and "grad_accum 2" in single.stdout
+    single_ckpt = torch.load(tmp_path / "single" / "ckpt.pt", weights_only=False)
+    a, b = single_ckpt["model"], torch.load(tmp_path / "ddp" / "ckpt.pt", weights_only=False)["model"]
+    torch.manual_seed(1337)  # train.py's seed: the same initial weights
+    init = train.Bert(train.BertConfig(**single_ckpt["model_config"]))
+    moved = 0
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-5), k
+        moved += int(not torch.allclose(a[k], init.state_dict()[k]))
+    assert moved > 10  # the weights did change
+
+
+# ---- a run killed with SIGKILL resumes from its checkpoint onto the same curve
+
+def test_sigkill_then_resume_continues_the_same_curve(corpus, tmp_path):
+    flags = dict(max_steps=60, log_interval=1, ckpt_interval=10, eval_interval=1000, dropout=0.1)
+    ref = run(common(corpus, tmp_path, out="ref", **flags))
+    assert ref.returncode == 0, ref.stderr
+    proc = subprocess.Popen([sys.executable, "train.py", *map(str, common(corpus, tmp_path, out="killed", **flags))],
+                            cwd=HERE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = tmp_path / "killed" / "log.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if log.is_file() and sum(1 for _ in open(log)) > 25:  # past the step-20 checkpoint
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    _, before = read_log(tmp_path / "killed")
+    assert max(x["step"] for x in before) < 60, "the run finished before it could be killed"
+    r = run(["--resume", tmp_path / "killed"])
+    assert r.returncode == 0, r.stderr
+    _, records = read_log(tmp_path / "killed")
+    resumed = {x["step"]: x["loss"] for x in records if "loss" in x}  # later lines win
+    _, reference = read_log(tmp_path / "ref")
+    for x in reference:
+        if "loss" in x:
+            assert resumed[x["step"]] == pytest.approx(x["loss"], abs=1e-6), x["step"]

@@ -1,0 +1,472 @@
+"""
+Pretrain BERT with MLM, TACO, TaCL, COCO-LM or ELECTRA. One loop from a laptop CPU to
+a multi-node GPU cluster.
+
+    python train.py --objective taco                      # preset "smoke": tiny model, CPU, ~1 minute
+    python train.py --objective taco --preset small --data ../shared/data/corpus/enwiki_wikiextractor
+    torchrun --standalone --nproc_per_node=8 train.py --objective taco --preset base
+
+Flags are the TrainConfig fields below (--name value or --name=value); --help lists them.
+"""
+import inspect
+import json
+import math
+import os
+import random
+import re
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, asdict, fields, replace
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from model import Bert, BertConfig, MODEL_PRESETS, load_checkpoint_file
+
+
+@dataclass
+class TrainConfig:
+    # what to train
+    objective: str = "mlm"  # mlm | taco | tacl | cocolm | electra (losses.LOSSES)
+    preset: str = "smoke"  # smoke (tiny, CPU) | small | base: sets the defaults below, flags override
+    model_size: str = "tiny"  # model.MODEL_PRESETS: tiny | small (TACO's BERT-small) | base
+    init_from: str = ""  # start from these weights: a run dir, a ckpt.pt, or a Hugging Face BERT dir
+    resume: str = ""  # continue a run exactly: its out_dir or ckpt.pt
+    # data
+    data: str = "wikitext:wikitext-103-raw-v1"  # a datasets hub name, or a local file / dir / glob
+    tokenizer: str = ""  # tokenizer.json, vocab.txt or a dir with them; empty = the init_from dir's, else train one
+    vocab_size: int = 30522  # size of a newly trained WordPiece vocabulary (BERT's)
+    val_fraction: float = 0.005  # share of the corpus held out for the validation MLM loss
+    cache_dir: str = "cache"  # tokenizers and token files, reused across runs
+    seq_len: int = 128  # tokens per packed block, [CLS] and [SEP] included
+    # optimisation
+    batch_size: int = 16  # sequences per micro-step per process
+    tokens_per_step: int = 2048  # global tokens per optimizer step: gradient accumulation is derived from it
+    max_steps: int = 300  # optimizer steps; the schedule decays to 0 here
+    lr: float = 1e-3  # peak learning rate
+    warmup_steps: int = 30  # linear warmup, then linear decay to 0 at max_steps
+    weight_decay: float = 0.01  # on >= 2-D weights only (not biases or LayerNorm), as BERT
+    beta2: float = 0.98  # RoBERTa's value; more stable than 0.999 with large batches
+    grad_clip: float = 1.0  # clip the global grad norm (0 = off)
+    dropout: float = 0.1  # BERT pretraining dropout
+    mask_prob: float = 0.15  # share of non-special tokens selected for prediction (BERT)
+    # objective hyperparameters, with their sources
+    mlm_predict_all: bool = False  # MLM+TP ablation (TACO §5.2): also predict every unmasked token
+    taco_window: int = 5  # W: positives within +-W//2 (TACO App. A, official scripts)
+    taco_negatives: int = 50  # K negatives per anchor (TACO App. A)
+    taco_temperature: float = 0.07  # tau (TACO App. A)
+    taco_weight: float = 1.0  # lambda in L_MLM + lambda * L_TC (TACO Eq. 11)
+    taco_anchors: str = "all"  # all non-pad positions (official default) | masked ("concentrated TACO", §5.2)
+    taco_stop_grad: bool = True  # detach positives/negatives (official code); False = the ablation
+    tacl_temperature: float = 0.01  # tau (TaCL §3, official scripts)
+    gen_layers: int = 0  # COCO-LM/ELECTRA generator depth; 0 = max(1, round(L/3)) (COCO-LM §4: 4 for base)
+    cocolm_copy_weight: float = 50.0  # lambda_copy (COCO-LM §3.1)
+    cocolm_scl_temperature: float = 1.0  # tau of the SCL NT-Xent (COCO-LM §4)
+    cocolm_crop_fraction: float = 0.9  # share of tokens kept in SCL's cropped view (COCO-LM §3.2)
+    electra_disc_weight: float = 50.0  # lambda on the discriminator loss (ELECTRA §2)
+    # system
+    device: str = "auto"  # auto | cpu | cuda | mps
+    dtype: str = "auto"  # auto (bf16 on GPUs that have it, else fp16 with a GradScaler; fp32 on CPU) | fp32 | bf16 | fp16
+    compile: bool = True  # torch.compile the model (CUDA only; CPU runs stay eager)
+    seed: int = 1337  # model init, data order and every random draw of the objectives
+    # logging, evaluation, checkpoints
+    out_dir: str = "out/smoke"  # checkpoint, Hugging Face export, tokenizer and log.jsonl go here
+    log_interval: int = 10  # steps between log lines (the only host syncs of the loop)
+    eval_interval: int = 100  # steps between held-out evaluations
+    eval_batches: int = 8  # held-out batches per evaluation
+    ckpt_interval: int = 100  # steps between checkpoints (also written at the end and on Ctrl-C)
+
+
+PRESETS = {
+    # a tiny model on 1 MB of text: learns visibly in about a minute on a laptop CPU
+    "smoke": dict(model_size="tiny", vocab_size=8192, seq_len=128, batch_size=16, tokens_per_step=2048,
+                  max_steps=300, lr=1e-3, warmup_steps=30, log_interval=10, eval_interval=100,
+                  ckpt_interval=100, dropout=0.0),
+    # TACO's BERT-small / BERT-base settings (App. A): seq 256, batch 256, lr 1e-4, wd 0.01
+    "small": dict(model_size="small", seq_len=256, batch_size=128, tokens_per_step=256 * 256, max_steps=250_000,
+                  lr=1e-4, warmup_steps=10_000, log_interval=100, eval_interval=2000, eval_batches=20,
+                  ckpt_interval=2000),
+    "base": dict(model_size="base", seq_len=256, batch_size=64, tokens_per_step=256 * 256, max_steps=500_000,
+                 lr=1e-4, warmup_steps=10_000, log_interval=100, eval_interval=5000, eval_batches=20,
+                 ckpt_interval=5000),
+}
+
+
+def field_help():
+    """name -> (type, default, the comment written beside the field above)."""
+    src = inspect.getsource(TrainConfig)
+    comments = dict(re.findall(r"^\s+(\w+): \w+ = .*?(?:#\s*(.*))?$", src, re.M))
+    return {f.name: (f.type, f.default, comments.get(f.name, "")) for f in fields(TrainConfig)}
+
+
+def parse_value(name, typ, text):
+    if typ is bool or typ == "bool":
+        if text.lower() in ("1", "true", "yes", "on"):
+            return True
+        if text.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"--{name} expects true or false, got {text!r}")
+    try:
+        return {"int": int, "float": float, "str": str}.get(typ, typ)(text)
+    except ValueError:
+        raise ValueError(f"--{name} expects {getattr(typ, '__name__', typ)}, got {text!r}") from None
+
+
+def parse_args(argv):
+    """--name value / --name=value flags over a preset over the defaults. Returns (config, names given)."""
+    spec = field_help()
+    given = {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in ("-h", "--help"):
+            print(__doc__)
+            for name, (typ, default, comment) in spec.items():
+                print(f"  --{name:<24} {default!r:<32} {comment}")
+            sys.exit(0)
+        if not arg.startswith("--"):
+            raise ValueError(f"unexpected argument {arg!r} (flags look like --name value)")
+        name, _, value = arg[2:].partition("=")
+        if name not in spec:
+            raise ValueError(f"unknown flag --{name} (see --help)")
+        if not _:
+            is_bool = spec[name][0] in (bool, "bool")
+            if i + 1 < len(argv) and not (is_bool and argv[i + 1].startswith("--")):
+                value, i = argv[i + 1], i + 1
+            elif is_bool:
+                value = "true"  # a bare boolean flag
+            else:
+                raise ValueError(f"--{name} needs a value")
+        given[name] = parse_value(name, spec[name][0], value)
+        i += 1
+    preset = given.get("preset", TrainConfig.preset)
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r} (choose from {', '.join(PRESETS)})")
+    return replace(TrainConfig(), **{**PRESETS[preset], **given}), given
+
+
+# ---------------------------------------------------------------------------------------
+# helpers the loop uses (importable by tests and bench.py)
+
+class Pretrainer(nn.Module):
+    """The model and the objective as one module, so DDP sees every trained parameter
+    (an objective may own a generator or heads) in a single forward."""
+
+    def __init__(self, model, objective):
+        super().__init__()
+        self.model, self.objective = model, objective
+
+    def forward(self, batch, gen):
+        return self.objective(self.model, batch, gen)
+
+
+def configure_optimizer(params, cfg, device_type):
+    # weight decay on matrices and embeddings only, as BERT excludes biases and LayerNorm
+    params = [p for p in params if p.requires_grad]
+    groups = [dict(params=[p for p in params if p.dim() >= 2], weight_decay=cfg.weight_decay),
+              dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, cfg.beta2), eps=1e-6, fused=device_type == "cuda")
+
+
+def lr_at(step, cfg):
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    return cfg.lr * max(0.0, (cfg.max_steps - step) / max(1, cfg.max_steps - cfg.warmup_steps))
+
+
+def step_seed(seed, step, micro_index):
+    # every micro-batch's random draws (masks, negatives, samples) come from a generator seeded
+    # by (seed, step, global micro-batch index): resuming needs no generator state, and two
+    # DDP ranks draw exactly what one process accumulating two micro-batches draws
+    return hash((seed, step, micro_index)) % (2 ** 62)
+
+
+def atomic_save(obj, path):
+    torch.save(obj, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def rng_state():
+    return dict(python=random.getstate(), numpy=np.random.get_state(), torch=torch.get_rng_state(),
+                cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+
+
+def set_rng_state(state):
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def flops_per_token(config, seq_len, mask_prob):
+    """Training FLOPs per token of an MLM step (fwd + bwd = 3x fwd, 2 FLOPs per MAC):
+    6 * (4 D^2 + 2 D F) per layer for the matmuls, 12 * T * D per layer for attention scores
+    and values, and the head (D^2 transform + D*V decoder) on the mask_prob share of tokens only."""
+    L, D, F, V = config.num_layers, config.hidden_size, config.intermediate_size, config.padded_vocab_size
+    return 6 * L * (4 * D * D + 2 * D * F) + 12 * L * seq_len * D + 6 * (D * D + D * V) * mask_prob
+
+
+def gpu_peak_flops(device):
+    # dense bf16 tensor-core peaks from the datasheets; unknown GPUs report no MFU
+    name = torch.cuda.get_device_name(device)
+    for key, peak in (("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("L4", 121e12), ("4090", 165e12)):
+        if key in name:
+            return peak
+    return None
+
+
+@torch.no_grad()
+def evaluate(model, val_loader, eval_objective, cfg, device, autocast):
+    """Held-out MLM loss and accuracy on a fixed set of blocks with fixed masks."""
+    model.eval()
+    gen = torch.Generator(device).manual_seed(cfg.seed)
+    val_loader.load_state_dict(val_loader.start_state)
+    totals = {}
+    for _ in range(cfg.eval_batches):
+        with autocast:
+            _, metrics = eval_objective(model, {"input_ids": val_loader.next_batch()}, gen)
+        for k in ("mlm_loss", "mlm_acc"):
+            totals[k] = totals.get(k, 0.0) + float(metrics[k]) / cfg.eval_batches
+    model.train()
+    return {"val_" + k: v for k, v in totals.items()}
+
+
+# ---------------------------------------------------------------------------------------
+
+def main(argv=None):
+    try:
+        cfg, given = parse_args(sys.argv[1:] if argv is None else argv)
+        train(cfg, given)
+    except ValueError as e:  # bad input: one clear line, non-zero exit, nothing saved is touched
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def train(cfg, given):
+    import data
+    from losses import LOSSES
+
+    # ---- resume: the checkpoint's config, with the flags given now on top
+    ckpt = None
+    if cfg.resume:
+        path = os.path.join(cfg.resume, "ckpt.pt") if os.path.isdir(cfg.resume) else cfg.resume
+        if not os.path.isfile(path):
+            raise ValueError(f"--resume {cfg.resume}: no checkpoint there")
+        ckpt = load_checkpoint_file(path)
+        saved = TrainConfig(**{k: v for k, v in ckpt["config"].items() if k in {f.name for f in fields(TrainConfig)}})
+        for name in ("objective", "model_size", "seq_len", "vocab_size", "data", "tokenizer"):
+            if name in given and given[name] != getattr(saved, name):
+                raise ValueError(f"--resume {path}: checkpoint has {name}={getattr(saved, name)!r}, "
+                                 f"flags say {given[name]!r}")
+        cfg = replace(saved, **{k: v for k, v in given.items() if k != "preset"})
+        if "out_dir" not in given:
+            cfg.out_dir = os.path.dirname(path) or "."
+    if cfg.objective not in LOSSES:
+        raise ValueError(f"unknown objective {cfg.objective!r} (choose from {', '.join(LOSSES)})")
+    if cfg.model_size not in MODEL_PRESETS:
+        raise ValueError(f"unknown model_size {cfg.model_size!r} (choose from {', '.join(MODEL_PRESETS)})")
+    if not cfg.resume and os.path.isfile(os.path.join(cfg.out_dir, "ckpt.pt")):
+        raise ValueError(f"{cfg.out_dir} already holds a run: pass --resume {cfg.out_dir} to continue it, "
+                         f"or choose another --out_dir")
+
+    # ---- distributed setup: torchrun sets RANK / WORLD_SIZE / LOCAL_RANK
+    ddp = "RANK" in os.environ
+    device = cfg.device if cfg.device != "auto" else (
+        "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu")
+    if ddp:
+        rank, world, local_rank = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+        if device == "cuda":
+            device = f"cuda:{local_rank}"
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+    else:
+        rank, world = 0, 1
+    master = rank == 0
+    device_type = "cuda" if device.startswith("cuda") else device
+    torch.manual_seed(cfg.seed + rank)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+
+    # ---- weights to start from, then the tokenizer that matches them
+    init_model = None
+    if cfg.init_from and not ckpt:
+        init_model = Bert.from_pretrained(cfg.init_from)
+        if not cfg.tokenizer and os.path.isdir(cfg.init_from) and any(
+                os.path.isfile(os.path.join(cfg.init_from, f)) for f in ("tokenizer.json", "vocab.txt")):
+            cfg.tokenizer = cfg.init_from  # the vocabulary the weights were trained with
+    max_pos = init_model.config.max_position_embeddings if init_model else 512
+    if cfg.seq_len > max_pos:
+        raise ValueError(f"seq_len {cfg.seq_len} exceeds the model's max_position_embeddings {max_pos}")
+    micro_tokens = cfg.batch_size * cfg.seq_len * world
+    if cfg.tokens_per_step % micro_tokens:
+        raise ValueError(f"tokens_per_step {cfg.tokens_per_step} is not a multiple of batch_size {cfg.batch_size} "
+                         f"x seq_len {cfg.seq_len} x {world} processes = {micro_tokens}")
+    grad_accum = cfg.tokens_per_step // micro_tokens
+
+    # ---- data: rank 0 tokenizes into the cache, the others then read the cache
+    if ddp and not master:
+        dist.barrier()
+    tok, train_tokens, val_tokens = data.prepare_data(cfg.data, cfg.cache_dir, cfg.tokenizer or None,
+                                                      cfg.vocab_size, cfg.val_fraction)
+    if ddp and master:
+        dist.barrier()
+    special = data.special_token_ids(tok)
+    loader_args = dict(seq_len=cfg.seq_len, cls_id=special["cls"], sep_id=special["sep"], device=device)
+    train_loader = data.BlockLoader(train_tokens, batch_size=cfg.batch_size, rank=rank, world_size=world,
+                                    seed=cfg.seed, **loader_args)
+    val_loader = data.BlockLoader(val_tokens, batch_size=cfg.batch_size, seed=0, **loader_args)
+    val_loader.start_state = val_loader.state_dict()
+
+    # ---- model and objective
+    model_config = BertConfig(**MODEL_PRESETS[cfg.model_size], vocab_size=tok.get_vocab_size(), dropout=cfg.dropout,
+                              **{f"{k}_token_id": v for k, v in special.items()})
+    if ckpt:
+        model_config = BertConfig(**ckpt["model_config"])
+    elif init_model:
+        mine = (init_model.config.vocab_size, init_model.config.mask_token_id, init_model.config.cls_token_id)
+        if mine != (model_config.vocab_size, special["mask"], special["cls"]):
+            raise ValueError(f"--init_from {cfg.init_from}: its vocabulary (size {mine[0]}) does not match the "
+                             f"tokenizer's (size {model_config.vocab_size}); pass --tokenizer {cfg.init_from}")
+        model_config = replace(init_model.config, dropout=cfg.dropout)
+    model = Bert(model_config)
+    if init_model:
+        model.load_state_dict(init_model.state_dict(), strict=False)  # a pooler, if any, is dropped
+    model.to(device)
+    objective = LOSSES[cfg.objective](model, cfg).to(device)
+    params = list(model.parameters()) + [p for p in objective.parameters() if p.requires_grad]
+    optimizer = configure_optimizer(params, cfg, device_type)
+    eval_objective = LOSSES["mlm"](model, replace(cfg, mlm_predict_all=False))
+
+    dtype = cfg.dtype
+    if dtype == "auto":
+        dtype = ("bf16" if torch.cuda.is_bf16_supported() else "fp16") if device_type == "cuda" else "fp32"
+    ptdtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    autocast = nullcontext() if dtype == "fp32" else torch.autocast(device_type, dtype=ptdtype)
+    scaler = torch.amp.GradScaler(device_type, enabled=dtype == "fp16")
+
+    step = 0
+    if ckpt:
+        try:
+            model.load_state_dict(ckpt["model"])
+            objective.load_state_dict(ckpt["objective"])
+            optimizer.load_state_dict(ckpt["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as e:
+            raise ValueError(f"--resume: checkpoint does not match this run ({str(e).splitlines()[0][:200]})") from None
+        scaler.load_state_dict(ckpt["scaler"])
+        train_loader.load_state_dict(ckpt["loader"][rank] if world == len(ckpt["loader"]) else ckpt["loader"][0])
+        set_rng_state(ckpt["rng"][rank] if rank < len(ckpt["rng"]) else ckpt["rng"][0])
+        step = ckpt["step"]
+
+    # the compiled module shares the raw model's weights; saving and evaluation use the raw one
+    trainer = Pretrainer(torch.compile(model) if cfg.compile and device_type == "cuda" else model, objective)
+    if ddp:
+        # ELECTRA and COCO-LM never use the BERT MLM head, so DDP must not wait for its gradients
+        trainer = DDP(trainer, find_unused_parameters=cfg.objective in ("electra", "cocolm"))
+
+    # ---- logging, checkpoints
+    log_file = None
+    if master:
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        data.save_tokenizer(tok, cfg.out_dir)
+        log_file = open(os.path.join(cfg.out_dir, "log.jsonl"), "a")
+        if not ckpt:
+            log_file.write(json.dumps({"config": asdict(cfg), "model_config": asdict(model_config)}) + "\n")
+        print(f"{cfg.objective} | {model.num_params() / 1e6:.1f}M params | {world} process(es) on {device}, {dtype}")
+        print(f"tokens_per_step {cfg.tokens_per_step} = batch_size {cfg.batch_size} x seq_len {cfg.seq_len} "
+              f"x {world} process(es) x grad_accum {grad_accum}")
+
+    def log(record):
+        if master:
+            log_file.write(json.dumps(record) + "\n")
+            log_file.flush()
+
+    def save_checkpoint(loader_state, rng):
+        # gather every rank's loader and RNG state, so each rank resumes its own stream
+        states = [None] * world
+        if ddp:
+            dist.all_gather_object(states, (loader_state, rng))
+        else:
+            states = [(loader_state, rng)]
+        if not master:
+            return
+        atomic_save(dict(model=model.state_dict(), model_config=asdict(model_config), objective=objective.state_dict(),
+                         optimizer=optimizer.state_dict(), scaler=scaler.state_dict(), step=step,
+                         loader=[s[0] for s in states], rng=[s[1] for s in states], config=asdict(cfg)),
+                    os.path.join(cfg.out_dir, "ckpt.pt"))
+        model.save_pretrained(cfg.out_dir)  # the Hugging Face export, next to its tokenizer files
+
+    def run_eval():
+        if master:
+            record = {"step": step, **evaluate(model, val_loader, eval_objective, cfg, device, autocast)}
+            log(record)
+            print(f"step {step:6d} | " + " | ".join(f"{k} {v:.4f}" for k, v in record.items() if k != "step"))
+
+    peak = gpu_peak_flops(device) if device_type == "cuda" else None
+    flops = flops_per_token(model_config, cfg.seq_len, cfg.mask_prob)
+    loader_state, rng = train_loader.state_dict(), rng_state()
+    t0 = t_log = time.time()
+    tokens_since_log = 0
+    try:
+        if step == 0:
+            run_eval()  # the untrained baseline
+        while step < cfg.max_steps:
+            lr = lr_at(step, cfg)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            for micro in range(grad_accum):
+                batch = {"input_ids": train_loader.next_batch()}
+                gen = torch.Generator(device).manual_seed(step_seed(cfg.seed, step, micro * world + rank))
+                # sync gradients across ranks only on the last micro-step
+                sync = trainer.no_sync() if ddp and micro < grad_accum - 1 else nullcontext()
+                with sync:
+                    with autocast:
+                        loss, metrics = trainer(batch, gen)
+                    scaler.scale(loss / grad_accum).backward()
+            if cfg.grad_clip > 0:
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            tokens_since_log += cfg.tokens_per_step
+            loader_state, rng = train_loader.state_dict(), rng_state()
+
+            if step % cfg.log_interval == 0 or step == cfg.max_steps:
+                record = {"step": step, "loss": loss.item(), **{k: float(v) for k, v in metrics.items()}, "lr": lr}
+                dt, t_log = time.time() - t_log, time.time()
+                record["tokens_per_s"] = tokens_since_log / dt
+                tokens_since_log = 0
+                if peak:
+                    record["mfu"] = record["tokens_per_s"] * flops / (peak * world)
+                record["elapsed_s"] = time.time() - t0
+                log(record)
+                if master:
+                    terms = " | ".join(f"{k} {v:.4f}" for k, v in record.items() if k not in (
+                        "step", "lr", "tokens_per_s", "mfu", "elapsed_s"))
+                    mfu = f" | mfu {record['mfu']:.1%}" if peak else ""
+                    print(f"step {step:6d} | {terms} | lr {lr:.2e} | {record['tokens_per_s'] / 1e3:.1f}k tok/s"
+                          f"{mfu} | {record['elapsed_s']:.0f}s", flush=True)
+            if step % cfg.eval_interval == 0 or step == cfg.max_steps:
+                run_eval()
+            if step % cfg.ckpt_interval == 0 or step == cfg.max_steps:
+                save_checkpoint(loader_state, rng)
+    except KeyboardInterrupt:
+        # Ctrl-C: keep the last completed step (the interrupted one is redone on --resume)
+        if master:
+            print(f"interrupted: saving step {step} to {cfg.out_dir}", flush=True)
+        if not ddp:
+            save_checkpoint(loader_state, rng)
+    finally:
+        if log_file:
+            log_file.close()
+        if ddp:
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
