@@ -221,19 +221,21 @@ def gpu_peak_flops(device):
 
 
 @torch.no_grad()
-def evaluate(model, val_loader, eval_objective, cfg, device, autocast):
-    """Held-out MLM loss and accuracy on a fixed set of blocks with fixed masks."""
-    model.eval()
+def evaluate(model, objective, val_loader, cfg, device, autocast):
+    """The objective's metrics on a fixed set of held-out blocks with fixed random draws:
+    val_mlm_loss / val_mlm_acc for MLM, TACO and TaCL, the generator's val_gen_loss for
+    ELECTRA and COCO-LM (their main model has no MLM head)."""
+    model.eval(), objective.eval()
     gen = torch.Generator(device).manual_seed(cfg.seed)
     val_loader.load_state_dict(val_loader.start_state)
     totals = {}
     for _ in range(cfg.eval_batches):
         with autocast:
-            _, metrics = eval_objective(model, {"input_ids": val_loader.next_batch()}, gen)
-        for k in ("mlm_loss", "mlm_acc"):
-            totals[k] = totals.get(k, 0.0) + float(metrics[k]) / cfg.eval_batches
-    model.train()
-    return {"val_" + k: v for k, v in totals.items()}
+            _, metrics = objective(model, {"input_ids": val_loader.next_batch()}, gen)
+        for k, v in metrics.items():
+            totals["val_" + k] = totals.get("val_" + k, 0.0) + float(v) / cfg.eval_batches
+    model.train(), objective.train()
+    return totals
 
 
 # ---------------------------------------------------------------------------------------
@@ -249,6 +251,7 @@ def main(argv=None):
 
 def train(cfg, given):
     import data
+    from analysis import contextual_score, wordsim_similarity
     from losses import LOSSES
 
     # ---- resume: the checkpoint's config, with the flags given now on top
@@ -339,7 +342,6 @@ def train(cfg, given):
     objective = LOSSES[cfg.objective](model, cfg).to(device)
     params = list(model.parameters()) + [p for p in objective.parameters() if p.requires_grad]
     optimizer = configure_optimizer(params, cfg, device_type)
-    eval_objective = LOSSES["mlm"](model, replace(cfg, mlm_predict_all=False))
 
     dtype = cfg.dtype
     if dtype == "auto":
@@ -401,7 +403,14 @@ def train(cfg, given):
 
     def run_eval():
         if master:
-            record = {"step": step, **evaluate(model, val_loader, eval_objective, cfg, device, autocast)}
+            record = {"step": step, **evaluate(model, objective, val_loader, cfg, device, autocast)}
+            # TACO Fig. 3/6: how contextual the token states are, and how close co-occurring words' embeddings are
+            val_loader.load_state_dict(val_loader.start_state)
+            gen = torch.Generator(device).manual_seed(cfg.seed)
+            record["contextual_score"] = contextual_score(model, val_loader.next_batch(), gen, special)["contextual"]
+            wordsim = wordsim_similarity(model, tok)
+            if wordsim is not None:
+                record["wordsim_cooc_sim"] = wordsim
             log(record)
             print(f"step {step:6d} | " + " | ".join(f"{k} {v:.4f}" for k, v in record.items() if k != "step"))
 
