@@ -363,11 +363,13 @@ def train(cfg, given):
         set_rng_state(ckpt["rng"][rank] if rank < len(ckpt["rng"]) else ckpt["rng"][0])
         step = ckpt["step"]
 
-    # the compiled module shares the raw model's weights; saving and evaluation use the raw one
-    trainer = Pretrainer(torch.compile(model) if cfg.compile and device_type == "cuda" else model, objective)
+    trainer = Pretrainer(model, objective)
+    if cfg.compile and device_type == "cuda":
+        # the whole step: encoder, heads, sampling and loss (fixed shapes, so never a recompile);
+        # the compiled wrapper shares the raw model's weights: saving and evaluation use the raw one
+        trainer = torch.compile(trainer, dynamic=False)
     if ddp:
-        # ELECTRA and COCO-LM never use the BERT MLM head, so DDP must not wait for its gradients
-        trainer = DDP(trainer, find_unused_parameters=cfg.objective in ("electra", "cocolm"))
+        trainer = DDP(trainer)
 
     # ---- logging, checkpoints
     log_file = None

@@ -1,0 +1,481 @@
+"""
+Pretraining objectives: MLM, TACO, TaCL, COCO-LM and ELECTRA, one nn.Module each (see
+/work/shared/OBJECTIVES.md for the spec), built as LOSSES[name](model, cfg) and called as
+`loss, metrics = objective(model, batch, gen)`.
+
+- model is the Bert (or torch.compile(model): attributes pass through); an objective calls
+  model(...) and model.mlm_logits(...) but never stores it, so the encoder's weights stay out
+  of objective.state_dict(). What an objective owns (generator, heads, TaCL's teacher) is a
+  submodule, in objective.parameters() and objective.state_dict().
+- Every random draw uses the torch.Generator `gen`: seeding it makes a step reproducible,
+  and a test can replay the draws by calling the same sampling helpers with the same seed.
+- Fixed shapes and no host syncs: masking selects exactly round(p * eligible) positions per
+  row into K = ceil(p * T) slots (unused slots have label -100), so a compiled model never
+  sees a new shape and metrics stay on the device until train.py logs them.
+"""
+import copy
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from model import Bert, Encoder, MLMHead
+
+# ------------------------------------------------------------------------------------------
+# helpers
+
+
+def special_ids(config):
+    return sorted({config.pad_token_id, config.unk_token_id, config.cls_token_id,
+                   config.sep_token_id, config.mask_token_id})
+
+
+def non_pad(input_ids, attention_mask=None):
+    return torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+
+
+def eligible_positions(input_ids, config, attention_mask=None):
+    """(B, T) bool: positions that may be masked, i.e. neither a special token nor padding."""
+    eligible = non_pad(input_ids, attention_mask)
+    for s in special_ids(config):
+        eligible = eligible & (input_ids != s)
+    return eligible
+
+
+def uniform_int(n, gen):
+    """A uniform integer in [0, n) for each element of the integer tensor n (n >= 1)."""
+    draw = (torch.rand(n.shape, generator=gen, device=n.device) * n).long()
+    return torch.minimum(draw, (n - 1).clamp(min=0))  # float rounding can land on n itself
+
+
+def random_real_tokens(shape, config, gen, device):
+    """Uniform over the real vocabulary minus the special ids (bert-base-uncased: 0, 100-103)."""
+    tokens = torch.randint(config.vocab_size - len(special_ids(config)), shape, generator=gen, device=device)
+    for s in special_ids(config):  # ascending: turn the rank among non-special ids into the id itself
+        tokens = tokens + (tokens >= s).long()
+    return tokens
+
+
+def mask_tokens(input_ids, config, gen, mask_prob=0.15, mask_frac=0.8, random_frac=0.1, attention_mask=None):
+    """BERT's dynamic masking with fixed shapes and no host sync.
+
+    Eligible = not a special token ([CLS], [SEP], [PAD], [MASK], [UNK]) and not padding. Each
+    row gets exactly round(mask_prob * its eligible count) positions, uniformly at random (the
+    top-k of random scores, ineligible positions scored below all), written into K =
+    ceil(mask_prob * T) slots; slots beyond a row's count are unused and labelled -100. Of the
+    selected: mask_frac -> [MASK], random_frac -> a random real token, the rest unchanged
+    (BERT 80/10/10; ELECTRA 85/0/15). The MLM head then runs on the K gathered slots only.
+    Returns corrupted ids (B, T), positions (B, K) long, labels (B, K) long (-100 = unused).
+    """
+    B, T = input_ids.shape
+    device = input_ids.device
+    eligible = eligible_positions(input_ids, config, attention_mask)
+    num_masked = (eligible.sum(1) * mask_prob).round().long()  # (B,)
+    num_slots = math.ceil(mask_prob * T)
+    # choose positions: top-k of uniform scores, ineligible ones pushed below every eligible one
+    # (HF's collator, used by TACO, draws Bernoulli(p) per token instead: same mean, varying count)
+    scores = torch.rand(B, T, generator=gen, device=device).masked_fill(~eligible, -1.0)
+    positions = scores.topk(num_slots, dim=1).indices  # (B, K), distinct within a row
+    used = torch.arange(num_slots, device=device) < num_masked[:, None]  # (B, K)
+    original = input_ids.gather(1, positions)
+    # one uniform per slot splits the selected into [MASK] / random / unchanged
+    split = torch.rand(B, num_slots, generator=gen, device=device)
+    random_tokens = random_real_tokens((B, num_slots), config, gen, device)
+    new = torch.where(split < mask_frac, config.mask_token_id,
+                      torch.where(split < mask_frac + random_frac, random_tokens, original))
+    corrupted = input_ids.scatter(1, positions, torch.where(used, new, original))
+    return corrupted, positions, original.masked_fill(~used, -100)
+
+
+def gather_positions(h, positions):
+    """h (B, T, D), positions (B, K) -> (B*K, D)."""
+    return h.gather(1, positions[..., None].expand(-1, -1, h.size(-1))).flatten(0, 1)
+
+
+def masked_mean(values, mask):
+    values = values if values.is_floating_point() else values.float()
+    mask = mask.to(values.dtype)
+    return torch.where(mask > 0, values, 0).sum() / mask.sum().clamp(min=1)
+
+
+def accuracy(logits, labels):
+    valid = labels != -100
+    return (((logits.argmax(-1) == labels) & valid).sum() / valid.sum().clamp(min=1)).detach()
+
+
+def mlm_loss(model, h, input_ids, positions, labels, attention_mask=None, predict_all=False):
+    """L_MLM: cross-entropy of the BERT head on the selected slots only.
+    predict_all adds TACO's "MLM+TP" ablation (§5.2): the original token at every unmasked,
+    non-special position, as a second mean CE term tp_loss (full-width head, so it costs more)."""
+    labels = labels.flatten()
+    logits = model.mlm_logits(gather_positions(h, positions))  # (B*K, V)
+    loss = F.cross_entropy(logits, labels, ignore_index=-100)
+    metrics = dict(mlm_loss=loss.detach(), mlm_acc=accuracy(logits.detach(), labels))
+    if predict_all:
+        used = labels.view_as(positions) != -100
+        selected = torch.zeros_like(input_ids, dtype=torch.bool).scatter(1, positions, used)
+        targets = input_ids.masked_fill(selected | ~eligible_positions(input_ids, model.config, attention_mask), -100)
+        tp_loss = F.cross_entropy(model.mlm_logits(h.flatten(0, 1)), targets.flatten(), ignore_index=-100)
+        metrics["tp_loss"] = tp_loss.detach()
+        loss = loss + tp_loss
+    return loss, metrics
+
+
+def upcast(t):
+    """At least fp32 (float64 stays float64, for the tests)."""
+    return t if t.dtype == torch.float64 else t.float()
+
+
+def masked_bce(logits, targets, mask):
+    bce = F.binary_cross_entropy_with_logits(logits, targets.to(logits.dtype), reduction="none")
+    return masked_mean(bce, mask)
+
+
+# ------------------------------------------------------------------------------------------
+# objectives
+
+
+class MLM(nn.Module):
+    """Masked language modelling (Devlin et al., 2019; RoBERTa's dynamic masking, no NSP):
+    L_MLM = mean over the selected 15% of CE(head(h_i), x_i). Nothing is detached."""
+
+    def __init__(self, model, cfg):
+        super().__init__()
+        self.mask_prob = getattr(cfg, "mask_prob", 0.15)
+        self.predict_all = getattr(cfg, "mlm_predict_all", False)
+
+    def forward(self, model, batch, gen):
+        x, attention_mask = batch["input_ids"], batch.get("attention_mask")
+        corrupted, positions, labels = mask_tokens(x, model.config, gen, self.mask_prob, attention_mask=attention_mask)
+        h = model(corrupted, attention_mask=attention_mask)
+        return mlm_loss(model, h, x, positions, labels, attention_mask, self.predict_all)
+
+
+def taco_samples(valid, window, num_negatives, gen):
+    """TACO's positive and negative draws (official sampler.py, batched and padding-aware).
+    valid (B, T) bool = non-pad. Returns flat indices into the B*T positions: positive (B, T),
+    negatives (B, T, num_negatives). Positive: same row, offset uniform over
+    {-W//2..W//2} minus 0; if that leaves the row or lands on padding, a uniformly random other
+    non-pad position of the row. Negatives: a row uniform among the other B-1 rows, then a
+    position uniform among that row's non-pad positions (with replacement)."""
+    # (the official sampler assumes unpadded rows: its columns are uniform over all T positions)
+    B, T = valid.shape
+    device = valid.device
+    count = valid.sum(1)  # (B,) non-pad positions per row
+    cum = valid.flatten().long().cumsum(0)  # (B*T,)
+    row_start = count.cumsum(0) - count  # non-pad positions before each row
+
+    def nth_valid(row, rank):  # flat index of the rank-th (0-based) non-pad position of `row`
+        return torch.searchsorted(cum, row_start[row] + rank + 1).clamp(max=B * T - 1)
+
+    rows = torch.arange(B, device=device)[:, None].expand(B, T)
+    cols = torch.arange(T, device=device).expand(B, T)
+    # positive: a window offset, skipping 0
+    half = window // 2
+    draw = torch.randint(2 * half, (B, T), generator=gen, device=device)
+    pos_col = cols + draw - half + (draw >= half).long()
+    inside = (pos_col >= 0) & (pos_col < T)
+    pos_col = pos_col.clamp(0, T - 1)
+    inside = inside & valid.gather(1, pos_col)
+    # fallback: a uniform other non-pad position of the same row (skip the anchor's own rank)
+    own_rank = cum.view(B, T) - row_start[:, None] - 1
+    rank = uniform_int(count[:, None].expand(B, T) - 1, gen)
+    fallback = nth_valid(rows, rank + (rank >= own_rank).long())
+    positive = torch.where(inside, rows * T + pos_col, fallback)
+    # negatives: another row (skip the anchor's own), then a non-pad position of it
+    neg_row = torch.randint(B - 1, (B, T, num_negatives), generator=gen, device=device)
+    neg_row = neg_row + (neg_row >= rows[..., None]).long()
+    negatives = nth_valid(neg_row, uniform_int(count[neg_row], gen))
+    return positive, negatives
+
+
+class TACO(nn.Module):
+    """Token-alignment contrastive objective (Fu et al., ACL 2022, Eq. 3, 6-11), on top of MLM.
+
+    g = h - emb(x~) (out of place) is each token's global part. Anchors: every non-pad position
+    (taco_anchors="all", the official default) or the masked ones ("masked", concentrated TACO).
+    One positive per anchor from a +-W//2 window of its own row, K negatives from other rows
+    (taco_samples). s = cos / tau; positives and negatives are detached (taco_stop_grad), so the
+    gradient reaches h and the embedding layer through the anchor only.
+    L_TC = mean over anchors of -log(e^{s+} / (e^{s+} + sum_k e^{s-_k})); L = L_MLM + lambda * L_TC.
+    Memory: the gathered negatives are B*T*K*D floats (K=50: 50x the hidden states).
+    """
+
+    def __init__(self, model, cfg):
+        super().__init__()
+        self.mask_prob = getattr(cfg, "mask_prob", 0.15)
+        self.predict_all = getattr(cfg, "mlm_predict_all", False)
+        self.window = getattr(cfg, "taco_window", 5)
+        self.num_negatives = getattr(cfg, "taco_negatives", 50)
+        self.temperature = getattr(cfg, "taco_temperature", 0.07)
+        self.weight = getattr(cfg, "taco_weight", 1.0)
+        self.anchors = getattr(cfg, "taco_anchors", "all")
+        self.stop_grad = getattr(cfg, "taco_stop_grad", True)
+        if self.anchors not in ("all", "masked"):
+            raise ValueError(f"taco_anchors must be 'all' or 'masked', got {self.anchors!r}")
+
+    def forward(self, model, batch, gen):
+        x, attention_mask = batch["input_ids"], batch.get("attention_mask")
+        B, T = x.shape
+        if B < 2:
+            raise ValueError("TACO draws negatives from the other sequences of the batch: it needs batch size >= 2")
+        valid = non_pad(x, attention_mask)
+        # MLM on the corrupted input, keeping the embedding layer's output for g
+        corrupted, positions, labels = mask_tokens(x, model.config, gen, self.mask_prob, attention_mask=attention_mask)
+        h, emb = model(corrupted, attention_mask=attention_mask, return_embeddings=True)
+        loss, metrics = mlm_loss(model, h, x, positions, labels, attention_mask, self.predict_all)
+        # global semantics g = h - emb, out of place (the official in-place -= fails in fp32)
+        g = F.normalize(h - emb, dim=-1)  # (B, T, D)
+        if self.anchors == "all":
+            anchors = valid
+        else:
+            anchors = torch.zeros_like(valid).scatter(1, positions, labels != -100)
+        # draw one positive and K negatives per position; stop-gradient on both
+        positive, negatives = taco_samples(valid, self.window, self.num_negatives, gen)
+        targets = (g.detach() if self.stop_grad else g).flatten(0, 1)  # (B*T, D)
+        with torch.autocast(x.device.type, enabled=False):  # fp32: bf16 cosines / tau lose ~2 digits
+            g = upcast(g)
+            pos_cos = (g * upcast(targets[positive])).sum(-1)  # (B, T)
+            neg_cos = torch.einsum("btd,btkd->btk", g, upcast(targets[negatives]))  # (B, T, K)
+            # InfoNCE with the positive at index 0
+            logits = torch.cat([pos_cos[..., None], neg_cos], dim=-1) / self.temperature
+            tc_loss = masked_mean(torch.logsumexp(logits, -1) - logits[..., 0], anchors)
+        metrics.update(tc_loss=tc_loss.detach(), pos_cos=masked_mean(pos_cos, anchors).detach(),
+                       neg_cos=masked_mean(neg_cos.mean(-1), anchors).detach())
+        return loss + self.weight * tc_loss, metrics
+
+
+class TaCL(nn.Module):
+    """Token-aware contrastive learning (Su et al., Findings of NAACL 2022; L_tc and L_TaCL of §2),
+    continual pretraining from --init_from.
+
+    Student = the model on the masked input x~; teacher = a frozen copy of the starting weights
+    on the original x (no grad, eval mode, bf16 on CUDA). For every masked position i (all 15%):
+    s_ij = cos(student_i, teacher_j) / tau over the positions j of the same row, padding columns
+    excluded; L_tc = mean over i of -log softmax_j(s_ij)[i]. L = L_MLM + L_tc (no NSP).
+    """
+
+    def __init__(self, model, cfg):
+        super().__init__()
+        if not getattr(cfg, "init_from", ""):
+            raise ValueError("TaCL continues pretraining from a trained model and needs --init_from: first "
+                             "`python train.py --objective mlm ... --out_dir out/mlm`, then "
+                             "`python train.py --objective tacl --init_from out/mlm ...`")
+        self.mask_prob = getattr(cfg, "mask_prob", 0.15)
+        self.predict_all = getattr(cfg, "mlm_predict_all", False)
+        self.temperature = getattr(cfg, "tacl_temperature", 0.01)
+        # kept in state_dict on purpose: a resumed run must get the starting weights back, not the current ones
+        self.teacher = copy.deepcopy(model).requires_grad_(False).eval()
+
+    def train(self, mode=True):
+        super().train(mode)
+        self.teacher.eval()  # official code leaves its dropout on; its maintainer calls that a bug (issue #11)
+        return self
+
+    def forward(self, model, batch, gen):
+        x, attention_mask = batch["input_ids"], batch.get("attention_mask")
+        B, T = x.shape
+        valid = non_pad(x, attention_mask)
+        # student: MLM on the masked input
+        corrupted, positions, labels = mask_tokens(x, model.config, gen, self.mask_prob, attention_mask=attention_mask)
+        h = model(corrupted, attention_mask=attention_mask)
+        loss, metrics = mlm_loss(model, h, x, positions, labels, attention_mask, self.predict_all)
+        # teacher: the original input, frozen
+        bf16 = x.is_cuda and torch.cuda.is_bf16_supported()
+        with torch.no_grad(), torch.autocast(x.device.type, torch.bfloat16, enabled=bf16):
+            teacher_hidden = self.teacher(x, attention_mask=attention_mask)
+        with torch.autocast(x.device.type, enabled=False):  # fp32: 1/tau = 100 magnifies bf16 rounding 100x
+            # every masked student position against every teacher position of its row
+            student = F.normalize(upcast(gather_positions(h, positions)), dim=-1).view(B, -1, h.size(-1))  # (B, K, D)
+            teacher = F.normalize(upcast(teacher_hidden), dim=-1).to(student.dtype)  # (B, T, D)
+            scores = torch.einsum("bkd,btd->bkt", student, teacher) / self.temperature
+            # padding columns leave the softmax (official code keeps them; packed batches have none)
+            scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+            # the positive is the teacher's own position i
+            targets = positions.masked_fill(labels == -100, -100).flatten()
+            tacl_loss = F.cross_entropy(scores.flatten(0, 1), targets, ignore_index=-100)
+        metrics.update(tacl_loss=tacl_loss.detach(), tacl_acc=accuracy(scores.flatten(0, 1).detach(), targets))
+        return loss + tacl_loss, metrics
+
+
+def sample_tokens(logits, gen):
+    """One draw per row from softmax(logits) (temperature 1) by Gumbel-max; integers, so no gradient."""
+    u = torch.rand(logits.shape, generator=gen, device=logits.device)
+    return (upcast(logits.detach()) - torch.log(-torch.log(u))).argmax(-1)
+
+
+def generator_layers(cfg, config):
+    return getattr(cfg, "gen_layers", 0) or max(1, round(config.num_layers / 3))
+
+
+class Generator(nn.Module):
+    """COCO-LM/ELECTRA's auxiliary MLM: a shallower encoder of the main model's width with its own
+    MLM head, on the main model's embeddings (word/position/type + LayerNorm, shared, not copied)
+    and decoding with the shared word-embedding matrix. ELECTRA's own default is narrower instead
+    (a 1/4-width generator for base); COCO-LM keeps the width and cuts depth to L/3."""
+
+    def __init__(self, config, num_layers):
+        super().__init__()
+        self.encoder = Encoder(config, num_layers)
+        self.head = MLMHead(config)
+        self.apply(Bert._init_weights)
+
+    def logits(self, model, input_ids, attention_mask, positions):
+        h = self.encoder(model.embeddings(input_ids), attention_mask)
+        return self.head(gather_positions(h, positions), model.embeddings.word.weight)  # (B*K, V)
+
+    def forward(self, model, input_ids, attention_mask, gen, mask_prob, mask_frac, random_frac):
+        """Mask x, train the generator by MLM on it, and put its samples at the masked positions.
+        Returns (replaced ids, positions, labels, gen_loss, gen_acc)."""
+        corrupted, positions, labels = mask_tokens(input_ids, model.config, gen, mask_prob, mask_frac, random_frac,
+                                                   attention_mask)
+        logits = self.logits(model, corrupted, attention_mask, positions)
+        gen_loss = F.cross_entropy(logits, labels.flatten(), ignore_index=-100)
+        # sample with dropout off; with dropout 0 the training logits are those logits already
+        sample_logits = logits
+        if self.training and model.config.dropout > 0:
+            embeddings_training = model.embeddings.training
+            self.eval()
+            model.embeddings.eval()
+            with torch.no_grad():
+                sample_logits = self.logits(model, corrupted, attention_mask, positions)
+            self.train()
+            model.embeddings.train(embeddings_training)
+        sampled = sample_tokens(sample_logits, gen).view_as(positions)
+        replaced = input_ids.scatter(1, positions, torch.where(labels != -100, sampled, input_ids.gather(1, positions)))
+        return replaced, positions, labels, gen_loss, accuracy(logits.detach(), labels.flatten())
+
+
+def crop_views(input_ids, config, gen, fraction=0.9, attention_mask=None):
+    """COCO-LM's second view: a uniformly placed contiguous crop of `fraction` of the tokens
+    between each row's [CLS] and final [SEP] (rows are [CLS] ... [SEP] then right padding),
+    re-wrapped as [CLS] crop [SEP] and padded (attention mask 0) to T. Returns (ids, mask).
+    Unpadded batches crop every row to the same length, so they are cut to that length
+    instead, with no mask: the same [CLS] output, and SDPA keeps its flash kernel."""
+    B, T = input_ids.shape
+    inner = non_pad(input_ids, attention_mask).sum(1) - 2  # (B,) tokens between [CLS] and [SEP]
+    keep = (inner.double() * fraction).round().long()
+    start = uniform_int(inner - keep + 1, gen)  # (B,) crop start in [0, inner - keep]
+    j = torch.arange(T, device=input_ids.device)[None, :]  # (1, T) output slot
+    crop = input_ids.gather(1, (start[:, None] + j).clamp(max=T - 1))  # slot j <- position start + j
+    end = keep[:, None] + 1  # slot of the closing [SEP]
+    crop = torch.where(j == 0, config.cls_token_id, torch.where(j == end, config.sep_token_id,
+                       torch.where(j > end, config.pad_token_id, crop)))
+    if attention_mask is None:
+        return crop[:, :2 + round((T - 2) * fraction)], None
+    return crop, (j <= end).long()
+
+
+def corrective_lm_loss(lm_logits, targets, copy_logit, is_original):
+    """COCO-LM's L_LM per position: -log(orig * sg(p_copy(1)) + sg(p_copy(0)) * softmax(lm_logits)[target]),
+    in log space: logaddexp(log p_copy(1) if orig else -inf, log p_copy(0) + log softmax[target])."""
+    copy_logit = copy_logit.detach()  # stop-gradient on p_copy
+    log_q = upcast(lm_logits).log_softmax(-1).gather(1, targets.clamp(min=0)[:, None]).squeeze(1)
+    log_p1 = F.logsigmoid(copy_logit).masked_fill(~is_original, float("-inf"))
+    return -torch.logaddexp(log_p1, F.logsigmoid(-copy_logit) + log_q)
+
+
+def nt_xent(z, temperature):
+    """NT-Xent (SimCLR) over 2B vectors: rows i and i+B are each other's positive, the other 2B-2 negatives."""
+    n = z.size(0)
+    z = F.normalize(z, dim=-1)
+    sim = (z @ z.T / temperature).masked_fill(torch.eye(n, dtype=torch.bool, device=z.device), float("-inf"))
+    return F.cross_entropy(sim, (torch.arange(n, device=z.device) + n // 2) % n)
+
+
+class COCOLM(nn.Module):
+    """COCO-LM (Meng et al., NeurIPS 2021, §3): corrective LM + sequence contrastive learning.
+
+    1. A generator (same width, max(1, round(L/3)) layers, shared embeddings) does MLM on x~
+       (80/10/10 masking): L_gen. Its samples at the masked positions M give x^MLM (no gradient).
+    2. The main model on x^MLM -> h. Copy head p_copy(1|h_i) = sigmoid(w.h_i + b), "token is
+       original": L_copy = mean BCE over non-pad positions, orig_i = 1[x^MLM_i = x_i].
+    3. LM head = tied embeddings + bias, no transform, on M: L_LM = mean over M of
+       -log(orig_i sg(p_copy(1|h_i)) + sg(p_copy(0|h_i)) softmax(LM(h_i))[x_i]), sg = stop-gradient.
+       (The authors' issue-#2 skeleton instead weights a plain CE by sg(p_copy(0|h)).)
+    4. SCL: x^MLM and a 90% contiguous crop of x, [CLS] through dense -> GELU -> LayerNorm,
+       NT-Xent over the 2B views at tau = 1: L_SCL.
+    L = L_gen + lambda_copy * L_copy + L_LM + L_SCL. The main model's own MLM head is unused.
+    """
+
+    def __init__(self, model, cfg):
+        super().__init__()
+        config, D = model.config, model.config.hidden_size
+        self.mask_prob = getattr(cfg, "mask_prob", 0.15)
+        self.copy_weight = getattr(cfg, "cocolm_copy_weight", 50.0)
+        self.scl_temperature = getattr(cfg, "cocolm_scl_temperature", 1.0)
+        self.crop_fraction = getattr(cfg, "cocolm_crop_fraction", 0.9)
+        self.generator = Generator(config, generator_layers(cfg, config))
+        self.copy_head = nn.Linear(D, 1)
+        self.lm_bias = nn.Parameter(torch.zeros(config.vocab_size))
+        self.scl_head = nn.Sequential(nn.Linear(D, D), nn.GELU(), nn.LayerNorm(D, eps=config.layer_norm_eps))
+        self.copy_head.apply(Bert._init_weights)
+        self.scl_head.apply(Bert._init_weights)
+        model.head.requires_grad_(False)  # unused here: keep it out of the optimizer and DDP's reducer
+
+    def forward(self, model, batch, gen):
+        x, attention_mask = batch["input_ids"], batch.get("attention_mask")
+        valid = non_pad(x, attention_mask)
+        # generator: MLM on x~ (80/10/10), then its samples replace the masked tokens -> x^MLM
+        x_mlm, positions, labels, gen_loss, gen_acc = self.generator(model, x, attention_mask, gen, self.mask_prob,
+                                                                     0.8, 0.1)
+        is_original = x_mlm == x  # a sample equal to the original counts as original
+        masked, original_at_m = (labels != -100).flatten(), is_original.gather(1, positions).flatten()
+        # main model on x^MLM
+        h = model(x_mlm, attention_mask=attention_mask)
+        # copy loss: is each non-pad token the original?
+        copy_logit = upcast(self.copy_head(h).squeeze(-1))  # (B, T)
+        copy_loss = masked_bce(copy_logit, is_original, valid)
+        # corrective LM loss on M: tied embeddings + bias, no transform
+        lm_logits = F.linear(gather_positions(h, positions), model.embeddings.word.weight[:model.config.vocab_size],
+                             self.lm_bias)
+        lm_loss = masked_mean(corrective_lm_loss(lm_logits, labels.flatten(), copy_logit.gather(1, positions).flatten(),
+                                                 original_at_m), masked)
+        # SCL: second view = a cropped x; NT-Xent over the 2B [CLS] vectors
+        crop_ids, crop_mask = crop_views(x, model.config, gen, self.crop_fraction, attention_mask)
+        h_crop = model(crop_ids, attention_mask=crop_mask)
+        scl_loss = nt_xent(upcast(self.scl_head(torch.cat([h[:, 0], h_crop[:, 0]]))), self.scl_temperature)
+        loss = gen_loss + self.copy_weight * copy_loss + lm_loss + scl_loss
+        metrics = dict(gen_loss=gen_loss.detach(), copy_loss=copy_loss.detach(), lm_loss=lm_loss.detach(),
+                       scl_loss=scl_loss.detach(), gen_acc=gen_acc,
+                       replaced_frac=masked_mean(~original_at_m, masked).detach(),
+                       copy_acc=masked_mean((copy_logit > 0) == is_original, valid).detach())
+        return loss, metrics
+
+
+class ELECTRA(nn.Module):
+    """ELECTRA replaced-token detection (Clark et al., ICLR 2020, §2), COCO-LM's natural baseline.
+    The generator (shared with COCO-LM's code) does MLM on 85% [MASK] / 15% unchanged masking;
+    its samples (no gradient) replace the masked tokens; the discriminator (main model + dense ->
+    GELU -> linear(1)) labels every non-pad token replaced (sample != original) or not.
+    L = L_gen + 50 * mean BCE. The main model's MLM head is unused."""
+
+    def __init__(self, model, cfg):
+        super().__init__()
+        config, D = model.config, model.config.hidden_size
+        self.mask_prob = getattr(cfg, "mask_prob", 0.15)
+        self.disc_weight = getattr(cfg, "electra_disc_weight", 50.0)
+        self.generator = Generator(config, generator_layers(cfg, config))
+        self.disc_head = nn.Sequential(nn.Linear(D, D), nn.GELU(), nn.Linear(D, 1))
+        self.disc_head.apply(Bert._init_weights)
+        model.head.requires_grad_(False)  # unused here: keep it out of the optimizer and DDP's reducer
+
+    def forward(self, model, batch, gen):
+        x, attention_mask = batch["input_ids"], batch.get("attention_mask")
+        valid = non_pad(x, attention_mask)
+        # generator: MLM on 85/0/15 masking, samples replace the masked tokens
+        # (official ELECTRA samples from its dropout-on training logits; we sample with dropout off, as COCO-LM)
+        x_mlm, positions, labels, gen_loss, gen_acc = self.generator(model, x, attention_mask, gen, self.mask_prob,
+                                                                     0.85, 0.0)
+        replaced = x_mlm != x
+        # discriminator: replaced or original, at every non-pad position
+        disc_logit = upcast(self.disc_head(model(x_mlm, attention_mask=attention_mask)).squeeze(-1))  # (B, T)
+        disc_loss = masked_bce(disc_logit, replaced, valid)
+        metrics = dict(gen_loss=gen_loss.detach(), disc_loss=disc_loss.detach(), gen_acc=gen_acc,
+                       disc_acc=masked_mean((disc_logit > 0) == replaced, valid).detach(),
+                       replaced_frac=masked_mean(replaced.gather(1, positions), labels != -100).detach())
+        return gen_loss + self.disc_weight * disc_loss, metrics
+
+
+LOSSES = {"mlm": MLM, "taco": TACO, "tacl": TaCL, "cocolm": COCOLM, "electra": ELECTRA}

@@ -1,0 +1,634 @@
+"""losses.py against slow, obviously correct references (explicit loops over anchors, negatives
+and positions, explicit softmax), plus invariants, gradient routing, masking statistics and a
+short training loop per objective. Random draws are replayed by re-seeding the generator and
+calling the same sampling helpers in the same order."""
+import copy
+import math
+import types
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import losses
+from losses import (LOSSES, corrective_lm_loss, crop_views, mask_tokens, random_real_tokens, sample_tokens,
+                    taco_samples)
+from model import Bert, BertConfig
+
+PAD, UNK, CLS, SEP, MASK = 0, 1, 2, 3, 4
+TINY = dict(vocab_size=50, hidden_size=16, num_layers=2, num_heads=2, intermediate_size=32,
+            max_position_embeddings=32, dropout=0.0)
+NAMES = {
+    "mlm": {"mlm_loss", "mlm_acc"},
+    "taco": {"mlm_loss", "mlm_acc", "tc_loss", "pos_cos", "neg_cos"},
+    "tacl": {"mlm_loss", "mlm_acc", "tacl_loss", "tacl_acc"},
+    "cocolm": {"gen_loss", "copy_loss", "lm_loss", "scl_loss", "gen_acc", "replaced_frac", "copy_acc"},
+    "electra": {"gen_loss", "disc_loss", "gen_acc", "disc_acc", "replaced_frac"},
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: intra-op threads only add overhead (10x slower on a busy 2-core machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_model(seed=0, double=True, **overrides):
+    torch.manual_seed(seed)
+    model = Bert(BertConfig(**{**TINY, **overrides}))
+    return model.double() if double else model
+
+
+def make_cfg(**kw):
+    return types.SimpleNamespace(init_from="out/mlm", **kw)
+
+
+def build(name, model, double=True, **kw):
+    objective = LOSSES[name](model, make_cfg(**kw))
+    return objective.double() if double else objective
+
+
+def seeded(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def make_batch(B=4, T=16, seed=0, lengths=None, vocab=50):
+    """Rows [CLS] tokens [SEP] (an internal [SEP] too, like packed documents); with `lengths`,
+    right-padded with [PAD] and an attention mask."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(5, vocab, (B, T), generator=g)
+    x[:, 0] = CLS
+    x[:, T // 2] = SEP
+    lengths = lengths or [T] * B
+    for b, n in enumerate(lengths):
+        x[b, n - 1] = SEP
+        x[b, n:] = PAD
+    batch = dict(input_ids=x)
+    if any(n < T for n in lengths):
+        batch["attention_mask"] = (torch.arange(T)[None] < torch.tensor(lengths)[:, None]).long()
+    return batch
+
+
+PADDED = dict(lengths=[16, 11, 16, 7])
+
+
+def ref_log_softmax_at(scores, index):
+    """-log softmax(scores)[index] by explicit exp / sum (scores: a list of 0-d tensors)."""
+    return -(scores[index] - torch.log(sum(torch.exp(s) for s in scores)))
+
+
+def ref_mlm(model, h, input_ids, positions, labels):
+    """Dense head on every position, then a loop over the used slots."""
+    logits = model.mlm_logits(h)  # (B, T, V): all positions, as a naive implementation would
+    terms = []
+    for b in range(positions.size(0)):
+        for k in range(positions.size(1)):
+            if labels[b, k] != -100:
+                row = logits[b, positions[b, k]]
+                assert labels[b, k] == input_ids[b, positions[b, k]]
+                terms.append(ref_log_softmax_at(list(row), labels[b, k]))
+    return sum(terms) / len(terms)
+
+
+def cos(a, b):
+    return (a * b).sum() / (a.norm() * b.norm())
+
+
+# ------------------------------------------------------------------------------------------
+# masking
+
+
+def test_random_real_tokens_uniform_and_never_special():
+    config = BertConfig(vocab_size=120, pad_token_id=0, unk_token_id=100, cls_token_id=101, sep_token_id=102,
+                        mask_token_id=103)  # bert-base-uncased's layout, scaled down
+    tokens = random_real_tokens((200_000,), config, seeded(), "cpu")
+    counts = torch.bincount(tokens, minlength=120)
+    assert counts.numel() == 120
+    assert counts[[0, 100, 101, 102, 103]].sum() == 0
+    real = counts[[i for i in range(120) if i not in (0, 100, 101, 102, 103)]].double()
+    assert (real > 0).all() and (real / real.mean() - 1).abs().max() < 0.1
+
+
+@pytest.mark.parametrize("fracs", [(0.8, 0.1), (0.85, 0.0)])
+def test_mask_tokens_statistics(fracs):
+    mask_frac, random_frac = fracs
+    g = torch.Generator().manual_seed(1)
+    B, T = 256, 64
+    x = torch.randint(5, 50, (B, T), generator=g)
+    x[torch.rand(B, T, generator=g) < 0.05] = UNK  # specials sprinkled inside the rows
+    x[:, 0], x[:, 20], x[:, 40] = CLS, SEP, MASK
+    lengths = torch.randint(30, T + 1, (B,), generator=g)
+    attention_mask = (torch.arange(T)[None] < lengths[:, None]).long()
+    x[attention_mask == 0] = PAD
+    x[torch.arange(B), lengths - 1] = SEP
+    config = BertConfig(**TINY)
+    corrupted, positions, labels = mask_tokens(x, config, seeded(2), 0.15, mask_frac, random_frac, attention_mask)
+    assert positions.shape == labels.shape == (B, math.ceil(0.15 * T))
+    used = labels != -100
+    eligible = (x > MASK) & attention_mask.bool()
+    # exactly round(p * eligible) per row, all eligible, distinct, labels = original tokens
+    assert torch.equal(used.sum(1), (eligible.sum(1) * 0.15).round().long())
+    assert eligible.gather(1, positions)[used].all()
+    assert torch.equal(labels[used], x.gather(1, positions)[used])
+    selected = torch.zeros_like(eligible).scatter(1, positions, used)
+    assert selected.sum() == used.sum()
+    # everything not selected (specials, padding included) is untouched
+    assert torch.equal(corrupted[~selected], x[~selected])
+    new, old = corrupted[selected], x[selected]
+    frac_mask = (new == MASK).double().mean()
+    frac_random = ((new != MASK) & (new != old)).double().mean()
+    assert abs(frac_mask - mask_frac) < 0.02 and abs(frac_random - random_frac) < 0.02
+    assert (new[new != MASK] > MASK).all()  # random replacements are real, non-special tokens
+
+
+def test_mask_tokens_deterministic_and_global_rng_untouched():
+    x = make_batch(**PADDED)
+    state = torch.get_rng_state()
+    a = mask_tokens(x["input_ids"], BertConfig(**TINY), seeded(5), attention_mask=x["attention_mask"])
+    b = mask_tokens(x["input_ids"], BertConfig(**TINY), seeded(5), attention_mask=x["attention_mask"])
+    assert all(torch.equal(u, v) for u, v in zip(a, b))
+    assert torch.equal(state, torch.get_rng_state())
+
+
+# ------------------------------------------------------------------------------------------
+# every objective: interface, names, state_dict, global RNG
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+@pytest.mark.parametrize("padded", [False, True])
+def test_interface(name, padded):
+    model = tiny_model(double=False)
+    objective = LOSSES[name](model, make_cfg())
+    batch = make_batch(**(PADDED if padded else {}))
+    state = torch.get_rng_state()
+    loss, metrics = objective(model, batch, seeded())
+    assert torch.equal(state, torch.get_rng_state())  # every draw came from gen
+    assert loss.dim() == 0 and torch.isfinite(loss)
+    assert set(metrics) == NAMES[name]
+    assert all(isinstance(v, torch.Tensor) and v.dim() == 0 and not v.requires_grad and torch.isfinite(v)
+               for v in metrics.values())
+    # the main model's weights are never part of the objective's state
+    own = set(objective.state_dict())
+    assert not any(k.startswith(("embeddings.", "encoder.", "head.")) for k in own)
+    loss.backward()
+
+
+# ------------------------------------------------------------------------------------------
+# MLM
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("predict_all", [False, True])
+def test_mlm_matches_reference(padded, predict_all):
+    model = tiny_model()
+    objective = build("mlm", model, mlm_predict_all=predict_all)
+    batch = make_batch(**(PADDED if padded else {}))
+    x, am = batch["input_ids"], batch.get("attention_mask")
+    loss, metrics = objective(model, batch, seeded(3))
+    corrupted, positions, labels = mask_tokens(x, model.config, seeded(3), attention_mask=am)
+    h = model(corrupted, attention_mask=am)
+    expected = ref_mlm(model, h, x, positions, labels)
+    assert torch.allclose(metrics["mlm_loss"], expected, atol=1e-5)
+    if predict_all:  # TP: every unmasked real token, predicted from the corrupted input
+        logits = model.mlm_logits(h)
+        selected = {(b, p.item()) for b in range(x.size(0)) for p, l in zip(positions[b], labels[b]) if l != -100}
+        terms = [ref_log_softmax_at(list(logits[b, t]), x[b, t]) for b in range(x.size(0)) for t in range(x.size(1))
+                 if x[b, t] > MASK and (b, t) not in selected]
+        tp = sum(terms) / len(terms)
+        assert torch.allclose(metrics["tp_loss"], tp, atol=1e-5)
+        expected = expected + tp
+    assert torch.allclose(loss, expected, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------
+# TACO
+
+
+class ShiftedModel(nn.Module):
+    """Wraps Bert so that h - emb is whatever `global_part(h, emb)` returns (for TACO invariants)."""
+
+    def __init__(self, bert, global_part):
+        super().__init__()
+        self.bert, self.config, self.global_part = bert, bert.config, global_part
+
+    def forward(self, input_ids, attention_mask=None, return_embeddings=False):
+        h, emb = self.bert(input_ids, attention_mask=attention_mask, return_embeddings=True)
+        return emb + self.global_part(h, emb), emb
+
+    def mlm_logits(self, h):
+        return self.bert.mlm_logits(h)
+
+
+def test_taco_samples_follow_the_official_sampler():
+    batch = make_batch(B=4, T=12, lengths=[12, 9, 12, 5])
+    valid = batch["attention_mask"].bool()
+    B, T = valid.shape
+    gen = seeded(7)
+    offsets, edge_hits, neg_hits = torch.zeros(5), torch.zeros(B, T), torch.zeros(B * T)
+    for _ in range(300):
+        positive, negatives = taco_samples(valid, 5, 20, gen)
+        pos_row, pos_col = positive // T, positive % T
+        assert torch.equal(pos_row, torch.arange(B)[:, None].expand(B, T))  # same sequence
+        assert valid.flatten()[positive][valid].all()  # never padding (for real anchors)
+        assert (pos_col != torch.arange(T))[valid].all()  # never the anchor itself
+        interior = valid.clone()
+        interior[:, :2] = False
+        for b, n in enumerate(valid.sum(1).tolist()):
+            interior[b, n - 2:] = False
+        d = (pos_col - torch.arange(T))[interior]
+        offsets += torch.stack([(d == o).sum() for o in (-2, -1, 0, 1, 2)])
+        edge_hits[0] += torch.bincount(pos_col[0, 0:1], minlength=T)  # anchor (0, 0): -1, -2 fall outside
+        assert (negatives // T != torch.arange(B)[:, None, None]).all()  # other sequences only
+        assert valid.flatten()[negatives].all()  # never padding
+        neg_hits += torch.bincount(negatives[2, 3].flatten(), minlength=B * T).double()  # anchor in row 2
+    # interior anchors: offsets uniform over {-2, -1, 1, 2}, never 0
+    assert offsets[2] == 0 and ((offsets[[0, 1, 3, 4]] / offsets.sum() - 0.25).abs() < 0.03).all()
+    # anchor at t=0: half the draws are +1/+2, the other half fall back uniformly on positions 1..11
+    probs = edge_hits[0] / 300
+    assert probs[0] == 0 and abs(probs[1] - (0.25 + 0.5 / 11)) < 0.08 and abs(probs[5] - 0.5 / 11) < 0.05
+    # negatives of row 2: a row uniform among rows 0, 1, 3, then a position uniform among its non-pad ones
+    hits = neg_hits.view(B, T)
+    assert hits[2].sum() == 0 and hits[~valid].sum() == 0
+    for row, n in ((0, 12), (1, 9), (3, 5)):
+        assert ((hits[row, :n] / (300 * 20 / 3 / n) - 1).abs() < 0.3).all()
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("anchors", ["all", "masked"])
+def test_taco_matches_reference(padded, anchors):
+    model = tiny_model()
+    W, K, tau = 5, 6, 0.07
+    objective = build("taco", model, taco_window=W, taco_negatives=K, taco_temperature=tau, taco_anchors=anchors,
+                      taco_weight=0.7)
+    batch = make_batch(**(PADDED if padded else {}))
+    x, am = batch["input_ids"], batch.get("attention_mask")
+    valid = am.bool() if padded else torch.ones_like(x, dtype=torch.bool)
+    loss, metrics = objective(model, batch, seeded(4))
+    # replay the draws: masking, then TACO's positives and negatives
+    gen = seeded(4)
+    corrupted, positions, labels = mask_tokens(x, model.config, gen, attention_mask=am)
+    positive, negatives = taco_samples(valid, W, K, gen)
+    h, emb = model(corrupted, attention_mask=am, return_embeddings=True)
+    g = (h - emb).reshape(-1, h.size(-1))
+    masked = {(b, p.item()) for b in range(x.size(0)) for p, l in zip(positions[b], labels[b]) if l != -100}
+    terms, pos_cos = [], []
+    for b in range(x.size(0)):
+        for t in range(x.size(1)):
+            if not valid[b, t] or (anchors == "masked" and (b, t) not in masked):
+                continue
+            anchor = g[b * x.size(1) + t]
+            scores = [cos(anchor, g[positive[b, t]]) / tau] + [cos(anchor, g[n]) / tau for n in negatives[b, t]]
+            terms.append(ref_log_softmax_at(scores, 0))
+            pos_cos.append(scores[0] * tau)
+    tc = sum(terms) / len(terms)
+    mlm = ref_mlm(model, h, x, positions, labels)
+    assert torch.allclose(metrics["tc_loss"], tc, atol=1e-5)
+    assert torch.allclose(metrics["pos_cos"], sum(pos_cos) / len(pos_cos), atol=1e-5)
+    assert torch.allclose(loss, mlm + 0.7 * tc, atol=1e-5)
+
+
+def test_taco_invariants():
+    bert = tiny_model()
+    batch = make_batch()
+    K = 7
+    objective = build("taco", bert, taco_negatives=K)
+    # all g equal: every score is 1/tau, so L_TC = log(K + 1)
+    constant = ShiftedModel(bert, lambda h, emb: torch.ones_like(h) * torch.linspace(-1, 1, h.size(-1)).double())
+    _, metrics = objective(constant, batch, seeded())
+    assert torch.allclose(metrics["tc_loss"], torch.tensor(math.log(K + 1)).double(), atol=1e-6)
+    # cosine scores ignore the scale of g
+    results = [objective(ShiftedModel(bert, lambda h, emb, s=s: s * (h - emb)), batch, seeded())[1]
+               for s in (1.0, 9.5)]
+    for key in ("tc_loss", "pos_cos", "neg_cos"):
+        assert torch.allclose(results[0][key], results[1][key], atol=1e-8)
+
+
+class LeafModel(nn.Module):
+    """h and emb as leaf tensors, to read TACO's gradient routing position by position."""
+
+    def __init__(self, bert, h, emb):
+        super().__init__()
+        self.bert, self.config, self.h, self.emb = bert, bert.config, h, emb
+
+    def forward(self, input_ids, attention_mask=None, return_embeddings=False):
+        return self.h, self.emb
+
+    def mlm_logits(self, h):
+        return self.bert.mlm_logits(h)
+
+
+@pytest.mark.parametrize("stop_grad", [True, False])
+def test_taco_gradient_routing(stop_grad):
+    bert = tiny_model()
+    batch = make_batch()
+    B, T = batch["input_ids"].shape
+    h = torch.randn(B, T, 16, dtype=torch.float64, requires_grad=True)
+    emb = torch.randn(B, T, 16, dtype=torch.float64, requires_grad=True)
+    # anchors = the masked positions, where MLM also reads h: any other position gets gradient
+    # only by serving as a positive or negative
+    objective = build("taco", bert, taco_anchors="masked", taco_stop_grad=stop_grad)
+    loss, _ = objective(LeafModel(bert, h, emb), batch, seeded())
+    loss.backward()
+    _, positions, labels = mask_tokens(batch["input_ids"], bert.config, seeded())
+    anchor = torch.zeros(B, T, dtype=torch.bool).scatter(1, positions, labels != -100)
+    assert (emb.grad[anchor].abs().sum(-1) > 0).all() and (h.grad[anchor].abs().sum(-1) > 0).all()
+    if stop_grad:  # positives and negatives are detached
+        assert (emb.grad[~anchor] == 0).all() and (h.grad[~anchor] == 0).all()
+    else:
+        assert (emb.grad[~anchor].abs().sum(-1) > 0).any() and (h.grad[~anchor].abs().sum(-1) > 0).any()
+
+
+def test_taco_gradient_reaches_encoder_and_embeddings():
+    grads = {}
+    for weight in (0.0, 1.0):
+        model = tiny_model()
+        loss, _ = build("taco", model, taco_weight=weight)(model, make_batch(), seeded())
+        loss.backward()
+        grads[weight] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    for name in ("embeddings.ln.weight", "embeddings.position.weight", "encoder.layers.0.up.weight",
+                 "encoder.layers.1.attn.qkv.weight"):
+        assert not torch.allclose(grads[0.0][name], grads[1.0][name]), name
+
+
+# ------------------------------------------------------------------------------------------
+# TaCL
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_tacl_matches_reference(padded):
+    model = tiny_model()
+    teacher_init = copy.deepcopy(model)
+    objective = build("tacl", model, tacl_temperature=0.05)
+    with torch.no_grad():  # the student drifts away from the teacher, as after some training
+        for p in model.encoder.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    batch = make_batch(**(PADDED if padded else {}))
+    x, am = batch["input_ids"], batch.get("attention_mask")
+    valid = am.bool() if padded else torch.ones_like(x, dtype=torch.bool)
+    loss, metrics = objective(model, batch, seeded(6))
+    corrupted, positions, labels = mask_tokens(x, model.config, seeded(6), attention_mask=am)
+    h = model(corrupted, attention_mask=am)
+    teacher = teacher_init(x, attention_mask=am)
+    terms, hits = [], []
+    for b in range(x.size(0)):
+        for k in range(positions.size(1)):
+            if labels[b, k] == -100:
+                continue
+            i = positions[b, k].item()
+            columns = [j for j in range(x.size(1)) if valid[b, j]]
+            scores = [cos(h[b, i], teacher[b, j]) / 0.05 for j in columns]
+            terms.append(ref_log_softmax_at(scores, columns.index(i)))
+            hits.append(float(columns[int(torch.stack(scores).argmax())] == i))
+    tacl = sum(terms) / len(terms)
+    assert torch.allclose(metrics["tacl_loss"], tacl, atol=1e-5)
+    assert abs(metrics["tacl_acc"].item() - sum(hits) / len(hits)) < 1e-6
+    assert torch.allclose(loss, ref_mlm(model, h, x, positions, labels) + tacl, atol=1e-5)
+
+
+class OrthogonalModel(nn.Module):
+    """Position t -> the t-th basis vector, whatever the input: student = teacher, tokens orthogonal."""
+
+    def __init__(self, bert):
+        super().__init__()
+        self.bert, self.config = bert, bert.config
+
+    def forward(self, input_ids, attention_mask=None):
+        B, T = input_ids.shape
+        return torch.eye(T, self.config.hidden_size, dtype=torch.float64).expand(B, T, -1)
+
+    def mlm_logits(self, h):
+        return self.bert.mlm_logits(h)
+
+
+def test_tacl_loss_vanishes_when_student_matches_teacher_on_orthogonal_tokens():
+    model = OrthogonalModel(tiny_model())
+    _, metrics = build("tacl", model)(model, make_batch(), seeded())  # tau = 0.01: e^{-100} per negative
+    assert metrics["tacl_loss"] < 1e-30 and metrics["tacl_acc"] == 1
+
+
+def test_tacl_teacher_frozen_in_eval_mode_and_gets_no_gradient():
+    model = tiny_model(double=False, dropout=0.5)
+    objective = LOSSES["tacl"](model, make_cfg())
+    objective.train(), model.train()
+    assert not objective.teacher.training and all(not m.training for m in objective.teacher.modules())
+    assert not any(p.requires_grad for p in objective.parameters())  # nothing for the optimizer
+    x = make_batch()["input_ids"]
+    with torch.no_grad():  # eval mode: dropout off, deterministic
+        assert torch.equal(objective.teacher(x), objective.teacher(x))
+    loss, _ = objective(model, make_batch(), seeded())
+    loss.backward()
+    assert all(p.grad is None for p in objective.teacher.parameters())
+    assert model.encoder.layers[0].up.weight.grad is not None
+    # the teacher is a copy: training the student leaves it at the starting weights
+    with torch.no_grad():
+        model.encoder.layers[0].up.weight.add_(1.0)
+    assert not torch.equal(objective.teacher.encoder.layers[0].up.weight, model.encoder.layers[0].up.weight)
+    assert any(k.startswith("teacher.") for k in objective.state_dict())  # restored on resume
+
+
+def test_tacl_requires_init_from():
+    with pytest.raises(ValueError, match=r"--init_from.*--objective mlm.*--objective tacl --init_from out/mlm"):
+        LOSSES["tacl"](tiny_model(), types.SimpleNamespace(init_from=""))
+
+
+# ------------------------------------------------------------------------------------------
+# COCO-LM and ELECTRA
+
+
+def replay_generator(objective, model, x, am, seed, mask_frac, random_frac):
+    """Re-run the generator's draws: masking, generator logits, Gumbel samples."""
+    gen = seeded(seed)
+    corrupted, positions, labels = mask_tokens(x, model.config, gen, 0.15, mask_frac, random_frac, am)
+    logits = objective.generator.logits(model, corrupted, am, positions)
+    sampled = sample_tokens(logits, gen).view_as(positions)
+    x_mlm = x.clone()
+    for b in range(x.size(0)):
+        for k in range(positions.size(1)):
+            if labels[b, k] != -100:
+                x_mlm[b, positions[b, k]] = sampled[b, k]
+    gen_terms = [ref_log_softmax_at(list(logits[i]), l) for i, l in enumerate(labels.flatten()) if l != -100]
+    return gen, x_mlm, positions, labels, sum(gen_terms) / len(gen_terms)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_cocolm_matches_reference(padded):
+    model = tiny_model()
+    objective = build("cocolm", model)
+    with torch.no_grad():  # non-trivial heads
+        objective.lm_bias.normal_()
+        objective.copy_head.bias.fill_(0.3)
+    batch = make_batch(**(PADDED if padded else {}))
+    x, am = batch["input_ids"], batch.get("attention_mask")
+    valid = am.bool() if padded else torch.ones_like(x, dtype=torch.bool)
+    loss, metrics = objective(model, batch, seeded(8))
+    gen, x_mlm, positions, labels, gen_loss = replay_generator(objective, model, x, am, 8, 0.8, 0.1)
+    crop_ids, crop_mask = crop_views(x, model.config, gen, 0.9, am)
+    h = model(x_mlm, attention_mask=am)
+    B, T = x.shape
+    sigmoid = lambda z: 1 / (1 + torch.exp(-z))
+    copy_terms, lm_terms = [], []
+    for b in range(B):
+        for t in range(T):
+            if valid[b, t]:
+                p1, orig = sigmoid(objective.copy_head(h[b, t])[0]), float(x_mlm[b, t] == x[b, t])
+                copy_terms.append(-(orig * torch.log(p1) + (1 - orig) * torch.log(1 - p1)))
+        for k in range(positions.size(1)):
+            if labels[b, k] != -100:
+                t = positions[b, k]
+                p1, orig = sigmoid(objective.copy_head(h[b, t])[0]), float(x_mlm[b, t] == x[b, t])
+                lm = model.embeddings.word.weight[:50] @ h[b, t] + objective.lm_bias
+                q = torch.exp(lm[x[b, t]]) / torch.exp(lm).sum()
+                lm_terms.append(-torch.log(orig * p1 + (1 - p1) * q))
+    copy_loss, lm_loss = sum(copy_terms) / len(copy_terms), sum(lm_terms) / len(lm_terms)
+    # SCL: the x^MLM view and the crop view, NT-Xent over 2B
+    h_crop = model(crop_ids, attention_mask=crop_mask)
+    s = [objective.scl_head(v) for v in list(h[:, 0]) + list(h_crop[:, 0])]
+    scl_terms = []
+    for i in range(2 * B):
+        others = [j for j in range(2 * B) if j != i]
+        scores = [cos(s[i], s[j]) / 1.0 for j in others]
+        scl_terms.append(ref_log_softmax_at(scores, others.index((i + B) % (2 * B))))
+    scl_loss = sum(scl_terms) / len(scl_terms)
+    for key, value in dict(gen_loss=gen_loss, copy_loss=copy_loss, lm_loss=lm_loss, scl_loss=scl_loss).items():
+        assert torch.allclose(metrics[key], value, atol=1e-5), key
+    assert torch.allclose(loss, gen_loss + 50 * copy_loss + lm_loss + scl_loss, atol=1e-5)
+
+
+def test_crop_views():
+    config = BertConfig(**TINY)
+    batch = make_batch(B=3, T=22, lengths=[22, 12, 7])
+    x, am = batch["input_ids"], batch["attention_mask"]
+    starts = set()
+    for seed in range(30):
+        crop, mask = crop_views(x, config, seeded(seed), 0.9, am)
+        for b, n in enumerate([22, 12, 7]):
+            keep = round((n - 2) * 0.9)
+            row = crop[b, :keep + 2].tolist()
+            assert row[0] == CLS and row[-1] == SEP and mask[b].sum() == keep + 2
+            assert (crop[b, keep + 2:] == PAD).all()
+            inner = x[b, 1:n - 1].tolist()
+            start = next(i for i in range(len(inner) - keep + 1) if inner[i:i + keep] == row[1:-1])  # contiguous
+            starts.add((b, start))
+    assert {s for b, s in starts if b == 0} == {0, 1, 2}  # 20 inner tokens, crops of 18: every start drawn
+    # unpadded rows: cut to the common length instead of padding, same [CLS] output
+    model = tiny_model()
+    x = make_batch(B=3, T=22)["input_ids"]
+    cut, none = crop_views(x, config, seeded(1), 0.9)
+    padded, mask = crop_views(x, config, seeded(1), 0.9, torch.ones_like(x))
+    assert none is None and torch.equal(cut, padded[:, :cut.size(1)]) and (padded[:, cut.size(1):] == PAD).all()
+    assert torch.allclose(model(cut)[:, 0], model(padded, attention_mask=mask)[:, 0], atol=1e-10)
+
+
+def test_corrective_lm_loss_reduces_to_cross_entropy():
+    torch.manual_seed(0)
+    logits, targets = torch.randn(6, 50, dtype=torch.float64), torch.randint(0, 50, (6,))
+    ce = F.cross_entropy(logits, targets, reduction="none")
+    never_copy = torch.full((6,), -1e4, dtype=torch.float64)  # p_copy(1|h) = 0
+    assert torch.allclose(corrective_lm_loss(logits, targets, never_copy, torch.ones(6, dtype=torch.bool)), ce)
+    # replaced tokens: -log p_copy(0) - log softmax[x], whatever p_copy
+    copy_logit = torch.randn(6, dtype=torch.float64)
+    assert torch.allclose(corrective_lm_loss(logits, targets, copy_logit, torch.zeros(6, dtype=torch.bool)),
+                          ce - F.logsigmoid(-copy_logit))
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_electra_matches_reference(padded):
+    model = tiny_model()
+    objective = build("electra", model)
+    batch = make_batch(**(PADDED if padded else {}))
+    x, am = batch["input_ids"], batch.get("attention_mask")
+    valid = am.bool() if padded else torch.ones_like(x, dtype=torch.bool)
+    loss, metrics = objective(model, batch, seeded(9))
+    _, x_mlm, positions, labels, gen_loss = replay_generator(objective, model, x, am, 9, 0.85, 0.0)
+    h = model(x_mlm, attention_mask=am)
+    terms = []
+    for b in range(x.size(0)):
+        for t in range(x.size(1)):
+            if valid[b, t]:
+                p = 1 / (1 + torch.exp(-objective.disc_head(h[b, t])[0]))
+                replaced = float(x_mlm[b, t] != x[b, t])
+                terms.append(-(replaced * torch.log(p) + (1 - replaced) * torch.log(1 - p)))
+    disc_loss = sum(terms) / len(terms)
+    assert torch.allclose(metrics["gen_loss"], gen_loss, atol=1e-5)
+    assert torch.allclose(metrics["disc_loss"], disc_loss, atol=1e-5)
+    assert torch.allclose(loss, gen_loss + 50 * disc_loss, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["cocolm", "electra"])
+def test_generator_gradient_routing(name):
+    model = tiny_model()
+    objective = build(name, model, gen_layers=1)
+    assert len(objective.generator.encoder.layers) == 1
+    assert not any(p.requires_grad for p in model.head.parameters())  # unused: frozen
+    batch = make_batch(**PADDED)
+    x, am = batch["input_ids"], batch["attention_mask"]
+    loss, metrics = objective(model, batch, seeded(2))
+    loss.backward()
+    full = {n: p.grad.clone() for n, p in objective.generator.named_parameters()}
+    assert all(g.abs().sum() > 0 for g in full.values())  # the generator learns from its own MLM loss
+    assert all(p.grad is None for p in model.head.parameters())
+    # ... and only from it: sampled tokens carry no gradient from the main model's losses
+    objective.zero_grad()
+    mask_frac, random_frac = (0.8, 0.1) if name == "cocolm" else (0.85, 0.0)
+    *_, gen_loss = replay_generator(objective, model, x, am, 2, mask_frac, random_frac)
+    gen_loss.backward()
+    for n, p in objective.generator.named_parameters():
+        assert torch.allclose(full[n], p.grad, atol=1e-10), n
+    # shared, not copied: the generator reads the main model's embeddings
+    assert not any("embeddings" in k for k in objective.state_dict())
+
+
+def test_generator_samples_with_dropout_off():
+    model = tiny_model(dropout=0.3)
+    objective = build("electra", model)
+    objective.train(), model.train()
+    x = make_batch()["input_ids"]
+    x_mlm, *_ = objective.generator(model, x, None, seeded(4), 0.15, 0.85, 0.0)
+    assert objective.generator.training and model.embeddings.training  # modes restored
+    gen = seeded(4)
+    corrupted, positions, labels = mask_tokens(x, model.config, gen, 0.15, 0.85, 0.0)
+    objective.eval(), model.eval()
+    sampled = sample_tokens(objective.generator.logits(model, corrupted, None, positions), gen).view_as(positions)
+    assert torch.equal(x_mlm.gather(1, positions)[labels != -100], sampled[labels != -100])
+
+
+# ------------------------------------------------------------------------------------------
+# a short training run per objective: the loss falls
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_loss_falls(name):
+    torch.manual_seed(0)
+    model = Bert(BertConfig(**{**TINY, "hidden_size": 32, "intermediate_size": 64}))
+    objective = LOSSES[name](model, make_cfg(taco_negatives=10))
+    # structured data: each row repeats a short random pattern
+    g = torch.Generator().manual_seed(0)
+    patterns = torch.randint(5, 50, (8, 4), generator=g)
+    x = torch.cat([torch.full((8, 1), CLS), patterns.repeat(1, 5)[:, :22], torch.full((8, 1), SEP)], 1)
+    params = [p for p in list(model.parameters()) + list(objective.parameters()) if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.01)
+    gen, history = seeded(0), []
+    for step in range(40):
+        loss, _ = objective(model, dict(input_ids=x), gen)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        history.append(loss.item())
+    first, last = sum(history[:5]) / 5, sum(history[-5:]) / 5
+    assert last < 0.8 * first, (name, history)
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_compiled_wrapper(name):
+    """train.py hands the objective torch.compile(model): attributes pass through, losses agree."""
+    model = tiny_model(double=False)
+    objective = LOSSES[name](model, make_cfg())
+    expected, _ = objective(model, make_batch(), seeded())
+    compiled = torch.compile(model, backend="eager", dynamic=False)
+    for _ in range(2):
+        loss, _ = objective(compiled, make_batch(), seeded())
+        assert torch.allclose(loss, expected, atol=1e-5)
