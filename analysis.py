@@ -238,24 +238,25 @@ def load_sentences(documents, num_sentences, seed=0, min_words=5):
 
 
 def held_out_documents(text_path, model_path):
-    """Held-out text: --text, else WikiText-2 test (shared data), else the run's validation
-    split through data.py (decoded back to text so every model re-tokenizes it)."""
+    """Held-out text: --text, else the run's own validation split through data.py (decoded back
+    to text so every model re-tokenizes it), else WikiText-2 test from the shared data (a Hugging
+    Face directory has no validation split)."""
     if text_path:
         if not os.path.isfile(text_path):
             raise ValueError(f"--text {text_path}: no such file")
         with open(text_path, encoding="utf-8") as f:
             return f.read().splitlines(), text_path
-    default = os.path.join(ANALYSIS_DATA, HELD_OUT_TEXT)
-    if os.path.isfile(default):
-        with open(default, encoding="utf-8") as f:
-            return f.read().splitlines(), os.path.normpath(default)
     run_dir = model_path if os.path.isdir(model_path) else os.path.dirname(model_path)
-    try:  # assumes train.py's config carries data.prepare_data's arguments under their names
+    try:  # train.py's first log line holds data.prepare_data's arguments under their names
         import data
         with open(os.path.join(run_dir, "log.jsonl")) as f:
             cfg = json.loads(f.readline())["config"]
         tok, _, val = data.prepare_data(cfg["data"], cfg["cache_dir"], run_dir, cfg["vocab_size"], cfg["val_fraction"])
     except Exception as e:
+        default = os.path.join(ANALYSIS_DATA, HELD_OUT_TEXT)
+        if os.path.isfile(default):
+            with open(default, encoding="utf-8") as f:
+                return f.read().splitlines(), os.path.normpath(default)
         raise ValueError(f"no held-out text: pass --text FILE (validation split of {run_dir} unavailable: "
                          f"{type(e).__name__}: {e})") from None
     stream = np.asarray(val[:2_000_000]).astype(np.int64)
@@ -687,36 +688,3 @@ def plot_logs(paths, out):
     plt.close(fig)
     print(f"wrote {path}")
     return path
-
-
-# ----------------------------------------------------------------------------------
-# Command line (merged into eval.py's parser and main())
-
-
-def add_analysis_args(parser):
-    """The analysis-only flags; --model, --out, --seed and --device are shared with GLUE."""
-    parser.add_argument("--analysis", action="store_true", help="representation analysis of every --model")
-    parser.add_argument("--text", default=None, help="held-out text (default: WikiText-2 test, else the run's val split)")
-    parser.add_argument("--plot_log", nargs="+", default=None, metavar="LOG", help="plot these log.jsonl files together")
-    parser.add_argument("--num_sentences", type=int, default=ANALYSIS_DEFAULTS["num_sentences"],
-                        help="held-out sentences sampled for the statistics")
-    parser.add_argument("--max_len", type=int, default=ANALYSIS_DEFAULTS["max_len"], help="word pieces kept per sentence")
-    parser.add_argument("--analysis_data", default=ANALYSIS_DATA, help="dir with wordsim353/, simlex999/, glue/STS-B/")
-    return parser
-
-
-def _parse_args(argv=None):
-    parser = add_analysis_args(argparse.ArgumentParser(description=__doc__.splitlines()[1]))
-    parser.add_argument("--model", nargs="+", default=None, help="run dirs, HF BERT dirs or ckpt.pt files")
-    parser.add_argument("--out", default=None, help="output dir (default: the first model's dir)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    return parser.parse_args(argv)
-
-
-if __name__ == "__main__":
-    args = _parse_args()
-    if args.plot_log:
-        plot_logs(args.plot_log, args.out)
-    if args.analysis:
-        run_analysis(args)

@@ -357,7 +357,7 @@ def test_cli_plot_log_and_analysis(tok, tmp_path):
     text = tmp_path / "t.txt"
     text.write_text("\n".join(make_text(10)))
     out = tmp_path / "cli"
-    subprocess.run([sys.executable, os.path.join(HERE, "analysis.py"), "--analysis", "--model", model,
+    subprocess.run([sys.executable, os.path.join(HERE, "eval.py"), "--analysis", "--model", model,
                     "--plot_log", a, "--out", str(out), "--text", str(text), "--num_sentences", "20",
                     "--analysis_data", str(tmp_path / "none")], check=True, cwd=HERE, capture_output=True)
     assert (out / "training_curves.png").stat().st_size > 0 and (out / "analysis_contextual.png").stat().st_size > 0
