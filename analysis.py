@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+import data
 from model import Bert
 
 ANALYSIS_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "shared", "data")
@@ -248,7 +249,6 @@ def held_out_documents(text_path, model_path):
             return f.read().splitlines(), text_path
     run_dir = model_path if os.path.isdir(model_path) else os.path.dirname(model_path)
     try:  # train.py's first log line holds data.prepare_data's arguments under their names
-        import data
         with open(os.path.join(run_dir, "log.jsonl")) as f:
             cfg = json.loads(f.readline())["config"]
         tok, _, val = data.prepare_data(cfg["data"], cfg["cache_dir"], run_dir, cfg["vocab_size"], cfg["val_fraction"])
@@ -266,20 +266,8 @@ def held_out_documents(text_path, model_path):
 
 
 def load_tokenizer(model_path):
-    """The model directory's tokenizer (data.load_tokenizer when data.py is there)."""
-    path = model_path if os.path.isdir(model_path) else os.path.dirname(model_path)
-    try:
-        import data
-        return data.load_tokenizer(path)
-    except ImportError:
-        pass
-    from tokenizers import Tokenizer
-    if os.path.isfile(os.path.join(path, "tokenizer.json")):
-        return Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
-    if os.path.isfile(os.path.join(path, "vocab.txt")):
-        from tokenizers.implementations import BertWordPieceTokenizer
-        return BertWordPieceTokenizer(os.path.join(path, "vocab.txt"), lowercase=True)
-    raise ValueError(f"{path}: no tokenizer.json or vocab.txt")
+    """The tokenizer of a run directory, a Hugging Face directory, or a ckpt.pt's directory."""
+    return data.load_tokenizer(model_path if os.path.isdir(model_path) else os.path.dirname(model_path))
 
 
 def tokenize(tok, sentences, max_len):
