@@ -116,6 +116,7 @@ def mlm_loss(model, h, input_ids, positions, labels, attention_mask=None, predic
         used = labels.view_as(positions) != -100
         selected = torch.zeros_like(input_ids, dtype=torch.bool).scatter(1, positions, used)
         targets = input_ids.masked_fill(selected | ~eligible_positions(input_ids, model.config, attention_mask), -100)
+        # our reading of §5.2 (its weighting is not in the official code): a second mean CE, added
         tp_loss = F.cross_entropy(model.mlm_logits(h.flatten(0, 1)), targets.flatten(), ignore_index=-100)
         metrics["tp_loss"] = tp_loss.detach()
         loss = loss + tp_loss

@@ -255,15 +255,21 @@ class Bert(nn.Module):
             out["bert.pooler.dense.weight"], out["bert.pooler.dense.bias"] = self.pooler.weight, self.pooler.bias
         return {k: v.detach().cpu().contiguous() for k, v in out.items()}
 
-    def save_pretrained(self, out_dir, tokenizer_dir=None):
+    def save_pretrained(self, out_dir, tokenizer_dir=None, mlm_head=True):
         """Write a directory that transformers.AutoModelForMaskedLM.from_pretrained loads,
-        with the tokenizer files copied from tokenizer_dir. Each file is written atomically."""
+        with the tokenizer files copied from tokenizer_dir. Each file is written atomically.
+        mlm_head=False writes the encoder alone under BertModel's names (for objectives that
+        never train this head: COCO-LM, ELECTRA)."""
         from safetensors.torch import save_file
         os.makedirs(out_dir, exist_ok=True)
+        state, hf_config = self.hf_state_dict(), config_to_hf(self.config)
+        if not mlm_head:
+            state = {k[len("bert."):]: v for k, v in state.items() if k.startswith("bert.")}
+            hf_config["architectures"] = ["BertModel"]
         weights = os.path.join(out_dir, "model.safetensors")
-        save_file(self.hf_state_dict(), weights + ".tmp", metadata={"format": "pt"})
+        save_file(state, weights + ".tmp", metadata={"format": "pt"})
         os.replace(weights + ".tmp", weights)
-        _write_atomic(os.path.join(out_dir, "config.json"), json.dumps(config_to_hf(self.config), indent=2))
+        _write_atomic(os.path.join(out_dir, "config.json"), json.dumps(hf_config, indent=2))
         if tokenizer_dir and os.path.abspath(tokenizer_dir) != os.path.abspath(out_dir):
             for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
                 src = os.path.join(tokenizer_dir, name)

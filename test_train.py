@@ -73,6 +73,15 @@ def test_help_lists_fields_with_comments():
     assert out.returncode == 0 and "--taco_negatives" in out.stdout and "K negatives" in out.stdout
 
 
+def test_micro_batching_keeps_the_global_batch():
+    base = train.TrainConfig(**train.PRESETS["base"])  # 64 x 256 tokens per process, 65,536 per step
+    assert train.micro_batching(base, 1) == (64, 4)
+    assert train.micro_batching(base, 8) == (32, 1)  # 8 GPUs: the cap drops to 32 sequences each
+    assert train.micro_batching(base, 16) == (16, 1)
+    with pytest.raises(ValueError, match="not a multiple"):
+        train.micro_batching(base, 3)  # 65,536 tokens do not split over 3 processes
+
+
 def test_lr_schedule_warmup_then_linear_decay():
     cfg = train.TrainConfig(lr=1.0, warmup_steps=10, max_steps=110)
     assert train.lr_at(0, cfg) == pytest.approx(0.1) and train.lr_at(9, cfg) == pytest.approx(1.0)
@@ -105,6 +114,14 @@ def test_objective_trains_and_loss_falls(corpus, tmp_path, objective):
     _, records = read_log(tmp_path / "run")
     losses = [x["loss"] for x in records if "loss" in x]
     assert losses[-1] < losses[0], losses
+    # COCO-LM and ELECTRA never train the MLM head: the export is the encoder alone (BertModel)
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["architectures"] == (["BertForMaskedLM"] if objective == "taco" else ["BertModel"])
+    exported = train.Bert.from_pretrained(str(tmp_path / "run")).hf_state_dict()
+    trained = train.Bert.from_pretrained(str(tmp_path / "run" / "ckpt.pt")).hf_state_dict()
+    for k, v in exported.items():
+        if not k.startswith("cls.") or objective == "taco":  # a BertModel export loads with a fresh head
+            assert torch.equal(v, trained[k]), k
 
 
 def test_tacl_needs_init_from_then_continues_an_mlm_run(corpus, tmp_path):
@@ -149,15 +166,15 @@ def test_bad_input_is_one_clear_error(corpus, tmp_path):
 # ---- distributed: two gloo processes == one process with the same global batch
 
 def test_ddp_two_processes_match_one_process(corpus, tmp_path):
-    flags = dict(max_steps=3, log_interval=1, eval_interval=100, ckpt_interval=3, tokens_per_step=512)
-    single = run(common(corpus, tmp_path, out="single", **flags))  # 2 micro-batches of 8 accumulated
+    flags = dict(max_steps=3, log_interval=1, eval_interval=100, ckpt_interval=3, tokens_per_step=1024)
+    single = run(common(corpus, tmp_path, out="single", **flags))  # 4 micro-batches of 8 accumulated
     assert single.returncode == 0, single.stderr
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     ddp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                           "train.py", *map(str, common(corpus, tmp_path, out="ddp", **flags))],
                          cwd=HERE, capture_output=True, text=True, timeout=300, env=env)
     assert ddp.returncode == 0, ddp.stderr[-2000:]
-    assert "grad_accum 1" in ddp.stdout and "grad_accum 2" in single.stdout
+    assert "grad_accum 2" in ddp.stdout and "grad_accum 4" in single.stdout  # DDP accumulates under no_sync
     single_ckpt = torch.load(tmp_path / "single" / "ckpt.pt", weights_only=False)
     a, b = single_ckpt["model"], torch.load(tmp_path / "ddp" / "ckpt.pt", weights_only=False)["model"]
     torch.manual_seed(1337)  # train.py's seed: the same initial weights

@@ -78,7 +78,7 @@ class TrainConfig:
     log_interval: int = 10  # steps between log lines (the only host syncs of the loop)
     eval_interval: int = 100  # steps between held-out evaluations
     eval_batches: int = 8  # held-out batches per evaluation
-    ckpt_interval: int = 100  # steps between checkpoints (also written at the end and on Ctrl-C)
+    ckpt_interval: int = 100  # steps between checkpoints (also at the end, and on Ctrl-C without DDP)
 
 
 PRESETS = {
@@ -169,6 +169,7 @@ def configure_optimizer(params, cfg, device_type):
     params = [p for p in params if p.requires_grad]
     groups = [dict(params=[p for p in params if p.dim() >= 2], weight_decay=cfg.weight_decay),
               dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)]
+    # eps 1e-6 and beta2 0.98 as RoBERTa (BERT: 1e-6 and 0.999)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, cfg.beta2), eps=1e-6, fused=device_type == "cuda")
 
 
@@ -183,6 +184,17 @@ def step_seed(seed, step, micro_index):
     # by (seed, step, global micro-batch index): resuming needs no generator state, and two
     # DDP ranks draw exactly what one process accumulating two micro-batches draws
     return hash((seed, step, micro_index)) % (2 ** 62)
+
+
+def micro_batching(cfg, world):
+    """(sequences per micro-step per process, micro-steps per optimizer step). tokens_per_step fixes
+    the global batch; batch_size is a memory cap, lowered when `world` processes would exceed it."""
+    batch_size = min(cfg.batch_size, max(1, cfg.tokens_per_step // (cfg.seq_len * world)))
+    micro_tokens = batch_size * cfg.seq_len * world
+    if cfg.tokens_per_step % micro_tokens:
+        raise ValueError(f"tokens_per_step {cfg.tokens_per_step} is not a multiple of batch_size {batch_size} "
+                         f"x seq_len {cfg.seq_len} x {world} processes = {micro_tokens}")
+    return batch_size, cfg.tokens_per_step // micro_tokens
 
 
 def atomic_save(obj, path):
@@ -304,11 +316,11 @@ def train(cfg, given):
     max_pos = init_model.config.max_position_embeddings if init_model else 512
     if cfg.seq_len > max_pos:
         raise ValueError(f"seq_len {cfg.seq_len} exceeds the model's max_position_embeddings {max_pos}")
-    micro_tokens = cfg.batch_size * cfg.seq_len * world
-    if cfg.tokens_per_step % micro_tokens:
-        raise ValueError(f"tokens_per_step {cfg.tokens_per_step} is not a multiple of batch_size {cfg.batch_size} "
-                         f"x seq_len {cfg.seq_len} x {world} processes = {micro_tokens}")
-    grad_accum = cfg.tokens_per_step // micro_tokens
+    batch_size, grad_accum = micro_batching(cfg, world)
+    if batch_size != cfg.batch_size and master:
+        print(f"batch_size {cfg.batch_size} -> {batch_size} per process: {world} processes x {cfg.batch_size} "
+              f"sequences would exceed tokens_per_step {cfg.tokens_per_step}")
+    cfg.batch_size = batch_size
 
     # ---- data: rank 0 tokenizes into the cache, the others then read the cache
     if ddp and not master:
@@ -402,7 +414,8 @@ def train(cfg, given):
                          optimizer=optimizer.state_dict(), scaler=scaler.state_dict(), step=step,
                          loader=[s[0] for s in states], rng=[s[1] for s in states], config=asdict(cfg)),
                     os.path.join(cfg.out_dir, "ckpt.pt"))
-        model.save_pretrained(cfg.out_dir)  # the Hugging Face export, next to its tokenizer files
+        # the Hugging Face export, next to its tokenizer files; without the MLM head if the objective never trains it
+        model.save_pretrained(cfg.out_dir, mlm_head=any(p.requires_grad for p in model.head.parameters()))
 
     def run_eval():
         if master:
@@ -469,9 +482,11 @@ def train(cfg, given):
                 save_checkpoint(loader_state, rng)
     except KeyboardInterrupt:
         # Ctrl-C: keep the last completed step (the interrupted one is redone on --resume)
-        if master:
+        if ddp:  # the ranks stop at different points, so no collective save: the last periodic one stands
+            if master:
+                print(f"interrupted at step {step}: --resume continues from the last periodic checkpoint", flush=True)
+        else:
             print(f"interrupted: saving step {step} to {cfg.out_dir}", flush=True)
-        if not ddp:
             save_checkpoint(loader_state, rng)
     finally:
         if log_file:
