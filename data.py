@@ -160,7 +160,12 @@ def _load_corpus(data, files, cache_dir):
     hf_cache = str(Path(cache_dir) / "hf")
     if files is None:
         name, _, config = data.partition(":")
-        ds = datasets.load_dataset(name, config or None, split="train", cache_dir=hf_cache)
+        try:
+            ds = datasets.load_dataset(name, config or None, split="train", cache_dir=hf_cache)
+        except Exception as e:  # offline, or no such dataset: one line, with the way out
+            raise ValueError(f"--data {data!r} is neither a local path nor a loadable hub dataset "
+                             f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
+                             f"without internet pass --data FILE|DIR|GLOB") from None
         # WikiText rows are lines (articles start at headings); other hub corpora have a doc per row
         return [("lines" if name.endswith("wikitext") else "docs", ds.select_columns(["text"]))]
     # one split per file, one load_dataset call per builder: file boundaries stay visible

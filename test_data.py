@@ -182,6 +182,15 @@ def test_bad_paths(tok_dir, tmp_path, name):
         data.prepare_data(str(path), tmp_path / "cache", tokenizer=tok_dir)
 
 
+def test_unreachable_hub_dataset_is_one_clear_error(tok_dir, tmp_path, monkeypatch):
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'wikitext' on the Hub (LocalEntryNotFoundError)")
+    import datasets
+    monkeypatch.setattr(datasets, "load_dataset", offline)  # no network in tests, whatever the machine
+    with pytest.raises(ValueError, match="without internet pass --data"):
+        data.prepare_data("wikitext:wikitext-103-raw-v1", tmp_path / "cache", tokenizer=tok_dir)
+
+
 # ----------------------------------------------------------------------------- BlockLoader
 
 def _loader(tokens, **kw):
