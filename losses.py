@@ -99,6 +99,13 @@ def masked_mean(values, mask):
     return torch.where(mask > 0, values, 0).sum() / mask.sum().clamp(min=1)
 
 
+def cross_entropy(logits, labels):
+    """Mean CE over the labels that are not -100; 0 (not NaN) when a batch has none, as a batch
+    of very short rows can (round(0.15 * 3) = 0 targets)."""
+    loss = F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
+    return loss / (labels != -100).sum().clamp(min=1)
+
+
 def accuracy(logits, labels):
     valid = labels != -100
     return (((logits.argmax(-1) == labels) & valid).sum() / valid.sum().clamp(min=1)).detach()
@@ -110,14 +117,14 @@ def mlm_loss(model, h, input_ids, positions, labels, attention_mask=None, predic
     non-special position, as a second mean CE term tp_loss (full-width head, so it costs more)."""
     labels = labels.flatten()
     logits = model.mlm_logits(gather_positions(h, positions))  # (B*K, V)
-    loss = F.cross_entropy(logits, labels, ignore_index=-100)
+    loss = cross_entropy(logits, labels)
     metrics = dict(mlm_loss=loss.detach(), mlm_acc=accuracy(logits.detach(), labels))
     if predict_all:
         used = labels.view_as(positions) != -100
         selected = torch.zeros_like(input_ids, dtype=torch.bool).scatter(1, positions, used)
         targets = input_ids.masked_fill(selected | ~eligible_positions(input_ids, model.config, attention_mask), -100)
         # our reading of §5.2 (its weighting is not in the official code): a second mean CE, added
-        tp_loss = F.cross_entropy(model.mlm_logits(h.flatten(0, 1)), targets.flatten(), ignore_index=-100)
+        tp_loss = cross_entropy(model.mlm_logits(h.flatten(0, 1)), targets.flatten())
         metrics["tp_loss"] = tp_loss.detach()
         loss = loss + tp_loss
     return loss, metrics
@@ -295,7 +302,7 @@ class TaCL(nn.Module):
             scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
             # the positive is the teacher's own position i
             targets = positions.masked_fill(labels == -100, -100).flatten()
-            tacl_loss = F.cross_entropy(scores.flatten(0, 1), targets, ignore_index=-100)
+            tacl_loss = cross_entropy(scores.flatten(0, 1), targets)
         metrics.update(tacl_loss=tacl_loss.detach(), tacl_acc=accuracy(scores.flatten(0, 1).detach(), targets))
         return loss + tacl_loss, metrics
 
@@ -332,7 +339,7 @@ class Generator(nn.Module):
         corrupted, positions, labels = mask_tokens(input_ids, model.config, gen, mask_prob, mask_frac, random_frac,
                                                    attention_mask)
         logits = self.logits(model, corrupted, attention_mask, positions)
-        gen_loss = F.cross_entropy(logits, labels.flatten(), ignore_index=-100)
+        gen_loss = cross_entropy(logits, labels.flatten())
         # sample with dropout off; with dropout 0 the training logits are those logits already
         sample_logits = logits
         if self.training and model.config.dropout > 0:

@@ -204,6 +204,15 @@ def test_mlm_matches_reference(padded, predict_all):
     assert torch.allclose(loss, expected, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["mlm", "tacl", "electra"])
+def test_no_targets_gives_zero_not_nan(name):
+    model = tiny_model(double=False)
+    x = torch.tensor([[CLS, MASK + 1, MASK + 2, SEP]] * 2)  # 2 eligible tokens: round(0.3) = 0 targets
+    loss, metrics = LOSSES[name](model, make_cfg())(model, {"input_ids": x}, seeded())
+    assert torch.isfinite(loss) and all(torch.isfinite(v) for v in metrics.values())
+    loss.backward()
+
+
 # ------------------------------------------------------------------------------------------
 # TACO
 
