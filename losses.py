@@ -1,7 +1,9 @@
 """
-Pretraining objectives: MLM, TACO, TaCL, COCO-LM and ELECTRA, one nn.Module each (see
-/work/shared/OBJECTIVES.md for the spec), built as LOSSES[name](model, cfg) and called as
-`loss, metrics = objective(model, batch, gen)`.
+Pretraining objectives, one nn.Module each, built as LOSSES[name](model, cfg) and called as
+`loss, metrics = objective(model, batch, gen)`: MLM (Devlin et al., 2019), TACO (Fu et al., ACL 2022),
+TaCL (Su et al., Findings of NAACL 2022), COCO-LM (Meng et al., NeurIPS 2021) and ELECTRA (Clark et
+al., ICLR 2020). Each docstring names its equations; every deviation from an official implementation
+has a comment line here and an entry in the README's "Fidelity notes".
 
 - model is the Bert (or torch.compile(model): attributes pass through); an objective calls
   model(...) and model.mlm_logits(...) but never stores it, so the encoder's weights stay out
@@ -15,10 +17,12 @@ Pretraining objectives: MLM, TACO, TaCL, COCO-LM and ELECTRA, one nn.Module each
 """
 import copy
 import math
+from dataclasses import replace
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from model import Bert, Encoder, MLMHead
 
@@ -140,6 +144,18 @@ def masked_bce(logits, targets, mask):
     return masked_mean(bce, mask)
 
 
+def pool_size(negative_pool, batch_size):
+    """Rows that share one pool of negatives (TACO) or one NT-Xent batch (COCO-LM's SCL): groups of
+    negative_pool consecutive rows of the per-process micro-batch; 0 = the whole micro-batch (the official
+    codes). A fixed pool makes the objective the same on 1 or 16 GPUs and with any gradient accumulation."""
+    if negative_pool == 0:
+        return batch_size
+    if negative_pool < 0 or batch_size % negative_pool:
+        raise ValueError(f"negative_pool {negative_pool} must divide the per-process batch size {batch_size} "
+                         f"(0 = the whole micro-batch)")
+    return negative_pool
+
+
 # ------------------------------------------------------------------------------------------
 # objectives
 
@@ -160,13 +176,14 @@ class MLM(nn.Module):
         return mlm_loss(model, h, x, positions, labels, attention_mask, self.predict_all)
 
 
-def taco_samples(valid, window, num_negatives, gen):
+def taco_samples(valid, window, num_negatives, gen, pool=0):
     """TACO's positive and negative draws (official sampler.py, batched and padding-aware).
     valid (B, T) bool = non-pad. Returns flat indices into the B*T positions: positive (B, T),
     negatives (B, T, num_negatives). Positive: same row, offset uniform over
     {-W//2..W//2} minus 0; if that leaves the row or lands on padding, a uniformly random other
-    non-pad position of the row. Negatives: a row uniform among the other B-1 rows, then a
-    position uniform among that row's non-pad positions (with replacement)."""
+    non-pad position of the row. Negatives: a row uniform among the other P-1 rows of the anchor's
+    pool (P = pool consecutive rows, 0 = all B rows), then a position uniform among that row's
+    non-pad positions (with replacement)."""
     # (the official sampler assumes unpadded rows: its columns are uniform over all T positions)
     B, T = valid.shape
     device = valid.device
@@ -191,11 +208,28 @@ def taco_samples(valid, window, num_negatives, gen):
     rank = uniform_int(count[:, None].expand(B, T) - 1, gen)
     fallback = nth_valid(rows, rank + (rank >= own_rank).long())
     positive = torch.where(inside, rows * T + pos_col, fallback)
-    # negatives: another row (skip the anchor's own), then a non-pad position of it
-    neg_row = torch.randint(B - 1, (B, T, num_negatives), generator=gen, device=device)
-    neg_row = neg_row + (neg_row >= rows[..., None]).long()
+    # negatives: another row of the anchor's pool (skip the anchor's own), then a non-pad position of it
+    pool = pool or B
+    pool_row = rows % pool  # the anchor's row within its pool; pool == B draws exactly as the official sampler
+    neg_row = torch.randint(pool - 1, (B, T, num_negatives), generator=gen, device=device)
+    neg_row = neg_row + (neg_row >= pool_row[..., None]).long() + (rows - pool_row)[..., None]
     negatives = nth_valid(neg_row, uniform_int(count[neg_row], gen))
     return positive, negatives
+
+
+def gather_dot(anchor, targets, index):
+    """anchor (B, T, D), targets (N, D), index (B, T, k) -> (B, T, k) fp32 dot products with targets[index]."""
+    return torch.einsum("btd,btkd->btk", anchor, upcast(targets[index]))
+
+
+def negative_dots(anchor, targets, negatives, max_elements=2 ** 25):
+    """gather_dot over K negatives in chunks of at most max_elements gathered floats, each chunk recomputed in
+    backward instead of stored (activation checkpointing): the full gather is B*T*K*D floats, 3.4 GB in fp32
+    at b256 s128 on BERT-small with K = 50, and it was kept for backward. Same values and gradients."""
+    B, T, D = anchor.shape
+    chunk = max(1, max_elements // (B * T * D))
+    return torch.cat([checkpoint(gather_dot, anchor, targets, index, use_reentrant=False, preserve_rng_state=False)
+                      for index in negatives.split(chunk, dim=-1)], dim=-1)
 
 
 class TACO(nn.Module):
@@ -203,11 +237,12 @@ class TACO(nn.Module):
 
     g = h - emb(x~) (out of place) is each token's global part. Anchors: every non-pad position
     (taco_anchors="all", the official default) or the masked ones ("masked", concentrated TACO).
-    One positive per anchor from a +-W//2 window of its own row, K negatives from other rows
-    (taco_samples). s = cos / tau; positives and negatives are detached (taco_stop_grad), so the
-    gradient reaches h and the embedding layer through the anchor only.
+    One positive per anchor from a +-W//2 window of its own row, K negatives from the other rows of
+    its pool (taco_samples; negative_pool consecutive rows, 0 = the micro-batch as the official code).
+    s = cos / tau; positives and negatives are detached (taco_stop_grad), so the gradient reaches h
+    and the embedding layer through the anchor only.
     L_TC = mean over anchors of -log(e^{s+} / (e^{s+} + sum_k e^{s-_k})); L = L_MLM + lambda * L_TC.
-    Memory: the gathered negatives are B*T*K*D floats (K=50: 50x the hidden states).
+    Memory: negatives are scored in chunks (negative_dots), never as one (B, T, K, D) tensor.
     """
 
     def __init__(self, model, cfg):
@@ -220,14 +255,17 @@ class TACO(nn.Module):
         self.weight = getattr(cfg, "taco_weight", 1.0)
         self.anchors = getattr(cfg, "taco_anchors", "all")
         self.stop_grad = getattr(cfg, "taco_stop_grad", True)
+        self.negative_pool = getattr(cfg, "negative_pool", 0)
         if self.anchors not in ("all", "masked"):
             raise ValueError(f"taco_anchors must be 'all' or 'masked', got {self.anchors!r}")
 
     def forward(self, model, batch, gen):
         x, attention_mask = batch["input_ids"], batch.get("attention_mask")
         B, T = x.shape
-        if B < 2:
-            raise ValueError("TACO draws negatives from the other sequences of the batch: it needs batch size >= 2")
+        pool = pool_size(self.negative_pool, B)
+        if pool < 2:
+            raise ValueError("TACO draws negatives from the other sequences of its pool: it needs batch size and "
+                             "negative_pool >= 2")
         valid = non_pad(x, attention_mask)
         # MLM on the corrupted input, keeping the embedding layer's output for g
         corrupted, positions, labels = mask_tokens(x, model.config, gen, self.mask_prob, attention_mask=attention_mask)
@@ -240,12 +278,12 @@ class TACO(nn.Module):
         else:
             anchors = torch.zeros_like(valid).scatter(1, positions, labels != -100)
         # draw one positive and K negatives per position; stop-gradient on both
-        positive, negatives = taco_samples(valid, self.window, self.num_negatives, gen)
-        targets = (g.detach() if self.stop_grad else g).flatten(0, 1)  # (B*T, D)
+        positive, negatives = taco_samples(valid, self.window, self.num_negatives, gen, pool)
+        targets = (g.detach() if self.stop_grad else g).flatten(0, 1)  # (B*T, D), in g's dtype; upcast per chunk
         with torch.autocast(x.device.type, enabled=False):  # fp32: bf16 cosines / tau lose ~2 digits
             g = upcast(g)
             pos_cos = (g * upcast(targets[positive])).sum(-1)  # (B, T)
-            neg_cos = torch.einsum("btd,btkd->btk", g, upcast(targets[negatives]))  # (B, T, K)
+            neg_cos = negative_dots(g, targets, negatives)  # (B, T, K)
             # InfoNCE with the positive at index 0
             logits = torch.cat([pos_cos[..., None], neg_cos], dim=-1) / self.temperature
             tc_loss = masked_mean(torch.logsumexp(logits, -1) - logits[..., 0], anchors)
@@ -313,24 +351,48 @@ def sample_tokens(logits, gen):
     return (upcast(logits.detach()) - torch.log(-torch.log(u))).argmax(-1)
 
 
-def generator_layers(cfg, config):
-    return getattr(cfg, "gen_layers", 0) or max(1, round(config.num_layers / 3))
+def generator_config(cfg, config):
+    """The generator's BertConfig and depth for cfg.gen_shape; cfg.gen_layers > 0 overrides the depth.
+    "cocolm": the main width, max(1, round(L/3)) layers (COCO-LM §4: 4 for base).
+    "electra": L layers at 1/4 of the width (1/3 from base up), heads = width/64, FFN = 4x width
+    (ELECTRA §3.2; official get_generator_config, generator_hidden_size 0.25 small, 0.333 base)."""
+    shape = getattr(cfg, "gen_shape", "cocolm")
+    if shape == "cocolm":
+        gen_config, num_layers = config, max(1, round(config.num_layers / 3))
+    elif shape == "electra":
+        width = round(config.hidden_size * (1 / 3 if config.hidden_size >= 768 else 1 / 4))
+        num_heads = max(1, width // 64)
+        while width % num_heads:  # widths that are not a multiple of 64 (test sizes): the nearest divisor
+            num_heads -= 1
+        gen_config = replace(config, hidden_size=width, num_heads=num_heads, intermediate_size=4 * width)
+        num_layers = config.num_layers
+    else:
+        raise ValueError(f"gen_shape must be 'cocolm' or 'electra', got {shape!r}")
+    return gen_config, getattr(cfg, "gen_layers", 0) or num_layers
 
 
 class Generator(nn.Module):
-    """COCO-LM/ELECTRA's auxiliary MLM: a shallower encoder of the main model's width with its own
-    MLM head, on the main model's embeddings (word/position/type + LayerNorm, shared, not copied)
-    and decoding with the shared word-embedding matrix. ELECTRA's own default is narrower instead
-    (a 1/4-width generator for base); COCO-LM keeps the width and cuts depth to L/3."""
+    """COCO-LM/ELECTRA's auxiliary MLM on the main model's embeddings (word/position/type +
+    LayerNorm, shared, not copied), decoding with the shared word-embedding matrix; its shape is
+    generator_config's. A narrower generator does as the official ELECTRA code: a linear layer
+    projects the D-wide shared embeddings to its width (embeddings_project), and its head's dense
+    layer maps back to D (dense -> GELU -> LayerNorm at D) for the tied decoder.
+    sample_dropout_off: sample from a second, dropout-off forward (COCO-LM's choice); otherwise
+    sample from the training logits (official ELECTRA: one forward, stop_gradient on the samples)."""
 
-    def __init__(self, config, num_layers):
+    def __init__(self, config, cfg, sample_dropout_off):
         super().__init__()
-        self.encoder = Encoder(config, num_layers)
+        gen_config, num_layers = generator_config(cfg, config)
+        width = gen_config.hidden_size
+        self.sample_dropout_off = sample_dropout_off
+        self.project = nn.Linear(config.hidden_size, width) if width != config.hidden_size else nn.Identity()
+        self.encoder = Encoder(gen_config, num_layers)
         self.head = MLMHead(config)
+        self.head.dense = nn.Linear(width, config.hidden_size)  # width -> D, as the official generator head
         self.apply(Bert._init_weights)
 
     def logits(self, model, input_ids, attention_mask, positions):
-        h = self.encoder(model.embeddings(input_ids), attention_mask)
+        h = self.encoder(self.project(model.embeddings(input_ids)), attention_mask)
         return self.head(gather_positions(h, positions), model.embeddings.word.weight)  # (B*K, V)
 
     def forward(self, model, input_ids, attention_mask, gen, mask_prob, mask_frac, random_frac):
@@ -340,9 +402,9 @@ class Generator(nn.Module):
                                                    attention_mask)
         logits = self.logits(model, corrupted, attention_mask, positions)
         gen_loss = cross_entropy(logits, labels.flatten())
-        # sample with dropout off; with dropout 0 the training logits are those logits already
-        sample_logits = logits
-        if self.training and model.config.dropout > 0:
+        sample_logits = logits  # sample_tokens detaches: the samples carry no gradient
+        # with dropout 0 the training logits are the dropout-off logits already
+        if self.sample_dropout_off and self.training and model.config.dropout > 0:
             embeddings_training = model.embeddings.training
             self.eval()
             model.embeddings.eval()
@@ -384,26 +446,32 @@ def corrective_lm_loss(lm_logits, targets, copy_logit, is_original):
     return -torch.logaddexp(log_p1, F.logsigmoid(-copy_logit) + log_q)
 
 
-def nt_xent(z, temperature):
-    """NT-Xent (SimCLR) over 2B vectors: rows i and i+B are each other's positive, the other 2B-2 negatives."""
-    n = z.size(0)
-    z = F.normalize(z, dim=-1)
-    sim = (z @ z.T / temperature).masked_fill(torch.eye(n, dtype=torch.bool, device=z.device), float("-inf"))
-    return F.cross_entropy(sim, (torch.arange(n, device=z.device) + n // 2) % n)
+def nt_xent(z1, z2, temperature, pool):
+    """NT-Xent (SimCLR) over pools of P = pool consecutive rows: z1[i] and z2[i] (B, D) are each other's
+    positive, the negatives are the other 2P-2 views of the same pool; mean over all 2B anchors."""
+    B, D = z1.shape
+    z = F.normalize(torch.cat([z1.view(-1, pool, D), z2.view(-1, pool, D)], 1), dim=-1)  # (B/P, 2P, D)
+    n = 2 * pool
+    self_pair = torch.eye(n, dtype=torch.bool, device=z.device)
+    sim = (z @ z.transpose(1, 2) / temperature).masked_fill(self_pair, float("-inf"))  # (B/P, 2P, 2P)
+    partner = (torch.arange(n, device=z.device) + pool) % n  # view i of a pool pairs with view i + P
+    return F.cross_entropy(sim.flatten(0, 1), partner.repeat(B // pool))
 
 
 class COCOLM(nn.Module):
     """COCO-LM (Meng et al., NeurIPS 2021, §3): corrective LM + sequence contrastive learning.
 
     1. A generator (same width, max(1, round(L/3)) layers, shared embeddings) does MLM on x~
-       (80/10/10 masking): L_gen. Its samples at the masked positions M give x^MLM (no gradient).
+       (80/10/10 masking): L_gen. Its samples at the masked positions M, drawn from a dropout-off
+       forward, give x^MLM (no gradient).
     2. The main model on x^MLM -> h. Copy head p_copy(1|h_i) = sigmoid(w.h_i + b), "token is
        original": L_copy = mean BCE over non-pad positions, orig_i = 1[x^MLM_i = x_i].
     3. LM head = tied embeddings + bias, no transform, on M: L_LM = mean over M of
        -log(orig_i sg(p_copy(1|h_i)) + sg(p_copy(0|h_i)) softmax(LM(h_i))[x_i]), sg = stop-gradient.
        (The authors' issue-#2 skeleton instead weights a plain CE by sg(p_copy(0|h)).)
     4. SCL: x^MLM and a 90% contiguous crop of x, [CLS] through dense -> GELU -> LayerNorm,
-       NT-Xent over the 2B views at tau = 1: L_SCL.
+       NT-Xent over the 2B views at tau = 1: L_SCL. With negative_pool P > 0, over the 2P views of
+       each group of P consecutive rows instead (a batch size that does not depend on the GPU count).
     L = L_gen + lambda_copy * L_copy + L_LM + L_SCL. The main model's own MLM head is unused.
     """
 
@@ -414,7 +482,8 @@ class COCOLM(nn.Module):
         self.copy_weight = getattr(cfg, "cocolm_copy_weight", 50.0)
         self.scl_temperature = getattr(cfg, "cocolm_scl_temperature", 1.0)
         self.crop_fraction = getattr(cfg, "cocolm_crop_fraction", 0.9)
-        self.generator = Generator(config, generator_layers(cfg, config))
+        self.negative_pool = getattr(cfg, "negative_pool", 0)
+        self.generator = Generator(config, cfg, sample_dropout_off=True)
         self.copy_head = nn.Linear(D, 1)
         self.lm_bias = nn.Parameter(torch.zeros(config.vocab_size))
         self.scl_head = nn.Sequential(nn.Linear(D, D), nn.GELU(), nn.LayerNorm(D, eps=config.layer_norm_eps))
@@ -443,7 +512,9 @@ class COCOLM(nn.Module):
         # SCL: second view = a cropped x; NT-Xent over the 2B [CLS] vectors
         crop_ids, crop_mask = crop_views(x, model.config, gen, self.crop_fraction, attention_mask)
         h_crop = model(crop_ids, attention_mask=crop_mask)
-        scl_loss = nt_xent(upcast(self.scl_head(torch.cat([h[:, 0], h_crop[:, 0]]))), self.scl_temperature)
+        B = x.size(0)
+        cls = upcast(self.scl_head(torch.cat([h[:, 0], h_crop[:, 0]])))  # (2B, D): one GEMM for both views
+        scl_loss = nt_xent(cls[:B], cls[B:], self.scl_temperature, pool_size(self.negative_pool, B))
         loss = gen_loss + self.copy_weight * copy_loss + lm_loss + scl_loss
         metrics = dict(gen_loss=gen_loss.detach(), copy_loss=copy_loss.detach(), lm_loss=lm_loss.detach(),
                        scl_loss=scl_loss.detach(), gen_acc=gen_acc,
@@ -454,17 +525,19 @@ class COCOLM(nn.Module):
 
 class ELECTRA(nn.Module):
     """ELECTRA replaced-token detection (Clark et al., ICLR 2020, §2), COCO-LM's natural baseline.
-    The generator (shared with COCO-LM's code) does MLM on 85% [MASK] / 15% unchanged masking;
-    its samples (no gradient) replace the masked tokens; the discriminator (main model + dense ->
-    GELU -> linear(1)) labels every non-pad token replaced (sample != original) or not.
-    L = L_gen + 50 * mean BCE. The main model's MLM head is unused."""
+    The generator (COCO-LM's code; gen_shape "electra" for ELECTRA's own narrow, full-depth one)
+    does MLM on 85% [MASK] / 15% unchanged masking; its samples, drawn from the same training
+    logits as the official code (one generator forward, no gradient), replace the masked tokens;
+    the discriminator (main model + dense -> GELU -> linear(1)) labels every non-pad token
+    replaced (sample != original) or not. L = L_gen + 50 * mean BCE. The main model's MLM head is
+    unused."""
 
     def __init__(self, model, cfg):
         super().__init__()
         config, D = model.config, model.config.hidden_size
         self.mask_prob = getattr(cfg, "mask_prob", 0.15)
         self.disc_weight = getattr(cfg, "electra_disc_weight", 50.0)
-        self.generator = Generator(config, generator_layers(cfg, config))
+        self.generator = Generator(config, cfg, sample_dropout_off=False)
         self.disc_head = nn.Sequential(nn.Linear(D, D), nn.GELU(), nn.Linear(D, 1))
         self.disc_head.apply(Bert._init_weights)
         model.head.requires_grad_(False)  # unused here: keep it out of the optimizer and DDP's reducer
@@ -472,8 +545,7 @@ class ELECTRA(nn.Module):
     def forward(self, model, batch, gen):
         x, attention_mask = batch["input_ids"], batch.get("attention_mask")
         valid = non_pad(x, attention_mask)
-        # generator: MLM on 85/0/15 masking, samples replace the masked tokens
-        # (official ELECTRA samples from its dropout-on training logits; we sample with dropout off, as COCO-LM)
+        # generator: MLM on 85/0/15 masking, samples from its training logits replace the masked tokens
         x_mlm, positions, labels, gen_loss, gen_acc = self.generator(model, x, attention_mask, gen, self.mask_prob,
                                                                      0.85, 0.0)
         replaced = x_mlm != x
