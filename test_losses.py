@@ -3,6 +3,7 @@ and positions, explicit softmax), plus invariants, gradient routing, masking sta
 short training loop per objective. Random draws are replayed by re-seeding the generator and
 calling the same sampling helpers in the same order."""
 import copy
+import functools
 import math
 import types
 
@@ -12,9 +13,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import losses
-from losses import (LOSSES, corrective_lm_loss, crop_views, mask_tokens, random_real_tokens, sample_tokens,
-                    taco_samples)
-from model import Bert, BertConfig
+from losses import (LOSSES, corrective_lm_loss, crop_views, generator_config, mask_tokens, negative_dots, pool_size,
+                    random_real_tokens, sample_tokens, taco_samples)
+from model import MODEL_PRESETS, Bert, BertConfig
 
 PAD, UNK, CLS, SEP, MASK = 0, 1, 2, 3, 4
 TINY = dict(vocab_size=50, hidden_size=16, num_layers=2, num_heads=2, intermediate_size=32,
@@ -266,6 +267,100 @@ def test_taco_samples_follow_the_official_sampler():
         assert ((hits[row, :n] / (300 * 20 / 3 / n) - 1).abs() < 0.3).all()
 
 
+def test_taco_negative_pool_draws():
+    valid = make_batch(B=6, T=10, lengths=[10, 9, 10, 5, 10, 8])["attention_mask"].bool()
+    B, T = valid.shape
+    # a pool of the whole batch draws exactly what the official per-batch sampler draws
+    for pool in (B, 0):
+        same = taco_samples(valid, 5, 8, seeded(3), pool)
+        assert all(torch.equal(a, b) for a, b in zip(taco_samples(valid, 5, 8, seeded(3)), same))
+    # pools of 2 and 3 rows: negatives stay in the anchor's pool, rows uniform among its other rows
+    for pool in (2, 3):
+        gen, hits = seeded(5), torch.zeros(B, B)
+        for _ in range(200):
+            positive, negatives = taco_samples(valid, 5, 8, gen, pool)
+            neg_row = negatives // T
+            anchor_row = torch.arange(B)[:, None, None]
+            assert (neg_row // pool == anchor_row // pool).all() and (neg_row != anchor_row).all()
+            assert valid.flatten()[negatives].all()
+            hits += torch.zeros(B, B).index_put_((anchor_row.expand_as(neg_row).flatten(), neg_row.flatten()),
+                                                 torch.ones(neg_row.numel()), accumulate=True)
+        for row in range(B):
+            others = [r for r in range(B) if r // pool == row // pool and r != row]
+            share = hits[row, others] / hits[row].sum()
+            assert ((share * (pool - 1) - 1).abs() < 0.1).all(), (pool, row, share)
+
+
+def test_negative_pool_must_divide_the_batch():
+    assert pool_size(0, 12) == 12 and pool_size(4, 12) == 4
+    for bad in (5, -1):
+        with pytest.raises(ValueError, match="negative_pool"):
+            pool_size(bad, 12)
+    model = tiny_model(double=False)
+    with pytest.raises(ValueError, match="negative_pool 3 must divide"):
+        LOSSES["taco"](model, make_cfg(negative_pool=3))(model, make_batch(B=4), seeded())
+    with pytest.raises(ValueError, match="negative_pool >= 2"):
+        LOSSES["taco"](model, make_cfg(negative_pool=1))(model, make_batch(B=4), seeded())
+    with pytest.raises(ValueError, match="negative_pool 3 must divide"):
+        LOSSES["cocolm"](model, make_cfg(negative_pool=3))(model, make_batch(B=4), seeded())
+
+
+def dense_negative_dots(anchor, targets, negatives):
+    """The readable version: gather every negative vector at once, (B, T, K, D) floats, kept for backward."""
+    return torch.einsum("btd,btkd->btk", anchor, losses.upcast(targets[negatives]))
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 50])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_negative_dots_match_the_dense_gather(chunk, dtype):
+    torch.manual_seed(0)
+    B, T, K, D = 3, 5, 7, 8
+    anchor = torch.randn(B, T, D, requires_grad=True)
+    targets = torch.randn(B * T, D).to(dtype).requires_grad_()  # with gradient: the taco_stop_grad=False ablation
+    negatives = torch.randint(B * T, (B, T, K))
+    weights = torch.randn(B, T, K)
+    results = []
+    for fn in (functools.partial(negative_dots, max_elements=chunk * B * T * D), dense_negative_dots):
+        anchor.grad = targets.grad = None
+        scores = fn(anchor, targets, negatives)
+        (scores * weights).sum().backward()
+        results.append((scores.detach(), anchor.grad.clone(), targets.grad.clone()))
+    (scores, anchor_grad, targets_grad), (ref_scores, ref_anchor_grad, ref_targets_grad) = results
+    assert scores.dtype == anchor_grad.dtype == torch.float32  # accumulated in fp32 whatever the targets' dtype
+    assert torch.allclose(scores, ref_scores, atol=1e-5) and torch.allclose(anchor_grad, ref_anchor_grad, atol=1e-5)
+    # the targets' own gradient has their dtype: chunks add up in bf16, within bf16 rounding
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    assert torch.allclose(targets_grad.float(), ref_targets_grad.float(), atol=tol, rtol=tol)
+
+
+def test_negative_dots_keep_no_gathered_tensor_for_backward():
+    B, T, K, D = 3, 5, 7, 8
+    anchor, targets = torch.randn(B, T, D, requires_grad=True), torch.randn(B * T, D)
+    negatives = torch.randint(B * T, (B, T, K))
+    for fn, largest in ((negative_dots, B * T * D), (dense_negative_dots, B * T * K * D)):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+            fn(anchor, targets, negatives).sum().backward()
+        assert max(saved) == largest  # the inputs only (already in memory), vs the K-fold gather
+
+
+@pytest.mark.parametrize("stop_grad", [True, False])
+def test_taco_gradients_match_the_dense_gather(monkeypatch, stop_grad):
+    """fp32, chunks of 2 negatives, against the unchunked (B, T, K, D) gather: same loss, same gradients."""
+    grads = []
+    for fn in (functools.partial(negative_dots, max_elements=2 * 4 * 16 * 16), dense_negative_dots):
+        monkeypatch.setattr(losses, "negative_dots", fn)
+        model = tiny_model(double=False)
+        loss, _ = build("taco", model, double=False, taco_negatives=7, taco_stop_grad=stop_grad)(
+            model, make_batch(**PADDED), seeded(1))
+        loss.backward()
+        grads.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (loss, fast), (expected, slow) = grads
+    assert torch.allclose(loss, expected, atol=1e-5) and fast.keys() == slow.keys()
+    for name in fast:  # within 1e-5 of each gradient's scale (fp32 sums in a different order)
+        assert torch.allclose(fast[name], slow[name], atol=1e-5 * slow[name].abs().max()), name
+
+
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("anchors", ["all", "masked"])
 def test_taco_matches_reference(padded, anchors):
@@ -449,7 +544,8 @@ def test_tacl_requires_init_from():
 
 
 def replay_generator(objective, model, x, am, seed, mask_frac, random_frac):
-    """Re-run the generator's draws: masking, generator logits, Gumbel samples."""
+    """Re-run the generator's draws: masking, generator logits, Gumbel samples. A second generator forward,
+    as the two-forward version did at dropout 0 (ELECTRA now samples from its one training forward)."""
     gen = seeded(seed)
     corrupted, positions, labels = mask_tokens(x, model.config, gen, 0.15, mask_frac, random_frac, am)
     logits = objective.generator.logits(model, corrupted, am, positions)
@@ -463,10 +559,10 @@ def replay_generator(objective, model, x, am, seed, mask_frac, random_frac):
     return gen, x_mlm, positions, labels, sum(gen_terms) / len(gen_terms)
 
 
-@pytest.mark.parametrize("padded", [False, True])
-def test_cocolm_matches_reference(padded):
+@pytest.mark.parametrize("padded,negative_pool", [(False, 0), (True, 0), (True, 2), (False, 1)])
+def test_cocolm_matches_reference(padded, negative_pool):
     model = tiny_model()
-    objective = build("cocolm", model)
+    objective = build("cocolm", model, negative_pool=negative_pool)
     with torch.no_grad():  # non-trivial heads
         objective.lm_bias.normal_()
         objective.copy_head.bias.fill_(0.3)
@@ -493,12 +589,13 @@ def test_cocolm_matches_reference(padded):
                 q = torch.exp(lm[x[b, t]]) / torch.exp(lm).sum()
                 lm_terms.append(-torch.log(orig * p1 + (1 - p1) * q))
     copy_loss, lm_loss = sum(copy_terms) / len(copy_terms), sum(lm_terms) / len(lm_terms)
-    # SCL: the x^MLM view and the crop view, NT-Xent over 2B
+    # SCL: the x^MLM view and the crop view, NT-Xent over the 2P views of each pool (P = B: all 2B)
     h_crop = model(crop_ids, attention_mask=crop_mask)
     s = [objective.scl_head(v) for v in list(h[:, 0]) + list(h_crop[:, 0])]
+    pool_of = lambda view: (view % B) // (negative_pool or B)  # view i is of sequence i mod B
     scl_terms = []
     for i in range(2 * B):
-        others = [j for j in range(2 * B) if j != i]
+        others = [j for j in range(2 * B) if j != i and pool_of(j) == pool_of(i)]
         scores = [cos(s[i], s[j]) / 1.0 for j in others]
         scl_terms.append(ref_log_softmax_at(scores, others.index((i + B) % (2 * B))))
     scl_loss = sum(scl_terms) / len(scl_terms)
@@ -544,10 +641,10 @@ def test_corrective_lm_loss_reduces_to_cross_entropy():
                           ce - F.logsigmoid(-copy_logit))
 
 
-@pytest.mark.parametrize("padded", [False, True])
-def test_electra_matches_reference(padded):
+@pytest.mark.parametrize("padded,gen_shape", [(False, "cocolm"), (True, "cocolm"), (True, "electra")])
+def test_electra_matches_reference(padded, gen_shape):
     model = tiny_model()
-    objective = build("electra", model)
+    objective = build("electra", model, gen_shape=gen_shape)
     batch = make_batch(**(PADDED if padded else {}))
     x, am = batch["input_ids"], batch.get("attention_mask")
     valid = am.bool() if padded else torch.ones_like(x, dtype=torch.bool)
@@ -567,10 +664,10 @@ def test_electra_matches_reference(padded):
     assert torch.allclose(loss, gen_loss + 50 * disc_loss, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["cocolm", "electra"])
-def test_generator_gradient_routing(name):
+@pytest.mark.parametrize("name,gen_shape", [("cocolm", "cocolm"), ("electra", "cocolm"), ("electra", "electra")])
+def test_generator_gradient_routing(name, gen_shape):
     model = tiny_model()
-    objective = build(name, model, gen_layers=1)
+    objective = build(name, model, gen_layers=1, gen_shape=gen_shape)
     assert len(objective.generator.encoder.layers) == 1
     assert not any(p.requires_grad for p in model.head.parameters())  # unused: frozen
     batch = make_batch(**PADDED)
@@ -578,31 +675,93 @@ def test_generator_gradient_routing(name):
     loss, metrics = objective(model, batch, seeded(2))
     loss.backward()
     full = {n: p.grad.clone() for n, p in objective.generator.named_parameters()}
+    full_embedding = model.embeddings.word.weight.grad.clone()
     assert all(g.abs().sum() > 0 for g in full.values())  # the generator learns from its own MLM loss
     assert all(p.grad is None for p in model.head.parameters())
     # ... and only from it: sampled tokens carry no gradient from the main model's losses
     objective.zero_grad()
+    model.zero_grad()
     mask_frac, random_frac = (0.8, 0.1) if name == "cocolm" else (0.85, 0.0)
     *_, gen_loss = replay_generator(objective, model, x, am, 2, mask_frac, random_frac)
     gen_loss.backward()
     for n, p in objective.generator.named_parameters():
         assert torch.allclose(full[n], p.grad, atol=1e-10), n
-    # shared, not copied: the generator reads the main model's embeddings
+    # shared, not copied: the generator reads the main model's embeddings, which learn from both models
     assert not any("embeddings" in k for k in objective.state_dict())
+    generator_part = model.embeddings.word.weight.grad
+    assert generator_part.abs().sum() > 0 and (full_embedding - generator_part).abs().sum() > 0
 
 
-def test_generator_samples_with_dropout_off():
+def test_generator_shapes():
+    # ELECTRA's official generator widths: 1/4 (small), 1/3 (base); heads = width / 64, FFN = 4 x width
+    for size, (width, heads) in dict(tiny=(32, 1), small=(128, 2), base=(256, 4)).items():
+        config = BertConfig(**MODEL_PRESETS[size])
+        gen_config, num_layers = generator_config(make_cfg(gen_shape="electra"), config)
+        assert (gen_config.hidden_size, gen_config.num_heads, gen_config.intermediate_size) == (width, heads, 4 * width)
+        assert num_layers == config.num_layers and gen_config.vocab_size == config.vocab_size
+        gen_config, num_layers = generator_config(make_cfg(), config)  # COCO-LM's: same width, L/3 layers
+        assert gen_config == config and num_layers == max(1, round(config.num_layers / 3))
+        assert generator_config(make_cfg(gen_shape="electra", gen_layers=3), config)[1] == 3
+    with pytest.raises(ValueError, match="gen_shape"):
+        generator_config(make_cfg(gen_shape="large"), BertConfig(**TINY))
+
+
+@pytest.mark.parametrize("gen_shape", ["cocolm", "electra"])
+def test_generator_parameter_count(gen_shape):
+    model = tiny_model(hidden_size=64, intermediate_size=256, num_layers=3)
+    generator = build("electra", model, gen_shape=gen_shape).generator
+    D, F, V = 64, 256, model.config.padded_vocab_size
+
+    def layer(d, f):  # qkv, proj, up, down weights; their biases; two LayerNorms
+        return 4 * d * d + 2 * d * f + 3 * d + d + f + d + 4 * d
+
+    head = 2 * D + V  # LayerNorm at the embedding width, decoder bias (the decoder matrix is shared)
+    if gen_shape == "cocolm":  # 1 layer at the main width, no projection
+        expected = layer(D, F) + (D * D + D) + head
+        assert isinstance(generator.project, nn.Identity)
+    else:  # 3 layers at width 16: project 64 -> 16, head dense 16 -> 64
+        d = 16
+        expected = 3 * layer(d, 4 * d) + (D * d + d) + (d * D + D) + head
+        assert generator.project.weight.shape == (d, D) and generator.head.dense.weight.shape == (D, d)
+    assert sum(p.numel() for p in generator.parameters()) == expected
+
+
+@pytest.mark.parametrize("name", ["cocolm", "electra"])
+def test_generator_forwards_and_sampling_logits(monkeypatch, name):
+    """ELECTRA: one generator forward per step, samples drawn from its (dropout-on) training logits, as the
+    official code. COCO-LM: a second, dropout-off forward to sample from."""
     model = tiny_model(dropout=0.3)
-    objective = build("electra", model)
+    objective = build(name, model)
     objective.train(), model.train()
+    with torch.no_grad():  # peaked logits, so that dropout changes the samples
+        objective.generator.head.ln.weight.mul_(50)
+    calls, head_outputs = [], []
+    encoder_forward = objective.generator.encoder.forward
+    monkeypatch.setattr(objective.generator.encoder, "forward", lambda *a, **k: calls.append(1) or encoder_forward(*a, **k))
+    objective.generator.head.register_forward_hook(lambda module, inputs, output: head_outputs.append(output))
+    objective(model, make_batch(), seeded(4))
+    assert len(calls) == (1 if name == "electra" else 2)
+    # replay the sampling from the training logits and from dropout-off logits
     x = make_batch()["input_ids"]
-    x_mlm, *_ = objective.generator(model, x, None, seeded(4), 0.15, 0.85, 0.0)
+    mask_frac, random_frac = (0.8, 0.1) if name == "cocolm" else (0.85, 0.0)
+    head_outputs.clear()
+    x_mlm, positions, labels, *_ = objective.generator(model, x, None, seeded(4), 0.15, mask_frac, random_frac)
     assert objective.generator.training and model.embeddings.training  # modes restored
+    assert not x_mlm.is_floating_point()  # token ids: no gradient path back into the generator
+    training_logits = head_outputs[0]
+    assert training_logits.requires_grad  # the forward that gen_loss trains on
+    used = labels != -100
     gen = seeded(4)
-    corrupted, positions, labels = mask_tokens(x, model.config, gen, 0.15, 0.85, 0.0)
+    mask_tokens(x, model.config, gen, 0.15, mask_frac, random_frac)
+    state = gen.get_state()
+    from_training = sample_tokens(training_logits, gen).view_as(positions)[used]
     objective.eval(), model.eval()
-    sampled = sample_tokens(objective.generator.logits(model, corrupted, None, positions), gen).view_as(positions)
-    assert torch.equal(x_mlm.gather(1, positions)[labels != -100], sampled[labels != -100])
+    with torch.no_grad():
+        dropout_off = objective.generator.logits(model, mask_tokens(x, model.config, seeded(4), 0.15, mask_frac,
+                                                                    random_frac)[0], None, positions)
+    from_dropout_off = sample_tokens(dropout_off, gen.set_state(state)).view_as(positions)[used]
+    assert not torch.equal(from_training, from_dropout_off)  # the test can tell the two apart
+    assert torch.equal(x_mlm.gather(1, positions)[used], from_training if name == "electra" else from_dropout_off)
 
 
 # ------------------------------------------------------------------------------------------
