@@ -2,21 +2,23 @@
 Representation analysis: the pictures each paper draws of its representation space,
 computed the same way for every model given, so objectives can be compared side by side.
 
-- TACO (Fu et al. 2022, Fig. 3/6, App. A.3): contextual score = intra-context minus
-  inter-context cosine of last-layer token states, on unmasked input. For every token one
-  partner is drawn from its own context and one from another context. Alongside, the
-  distance version of the same comparison (our reading of TACO's Table 9, whose exact
-  definition we could not retrieve): l1_ratio = mean L1 distance to the inter-context
-  partner / mean L1 distance to the intra-context partner, l2_ratio likewise; > 1 means a
-  token sits closer to its own context. Plus the cosine of WordSim353 pairs' static word
-  embeddings (TACO Fig. 3a).
+- TACO (Fu et al. 2022, Fig. 3/6, App. A.3, Table 9): for every token of the held-out
+  sentences (unmasked input, last hidden states) one partner is drawn from its own sentence
+  (intra) and one from another sentence (inter). Contextual score = mean intra cosine minus
+  mean inter cosine. Table 9's ratios = mean intra measurement / mean inter measurement for
+  L1, L2, L10 distance and cosine and dot-product similarity, as the paper defines them: a
+  model that knows its contexts gives distance ratios < 1 and similarity ratios > 1.
+  Embedding similarity (A.3, Fig. 3a): mean cosine of the word embeddings of 20 strongly
+  related ("frequently co-occurring") WordSim353 pairs.
 - TaCL (Su et al. 2022): layer-wise self-similarity (mean pairwise cosine of the tokens of
   one sentence, [CLS]/[SEP] excluded) and a token x token cosine heatmap.
 - COCO-LM (Meng et al. 2021, Fig. 1): cosine of [CLS] and of mean-pooled sentence vectors
-  for random sentence pairs vs STS-B pairs with the top score 5.0.
-- Static embeddings: Spearman correlation with WordSim353 / SimLex-999 human scores;
+  for random pairs of held-out sentences vs STS-B validation pairs scored 5.0 (top score).
+- Word embeddings: Spearman correlation with WordSim353 / SimLex-999 human scores;
   isotropy: mean cosine of random token pairs across the corpus (Ethayarajh 2019).
 
+WordSim353 and SimLex-999 ship in assets/ next to this file. STS-B comes from --glue_dir
+(GLUE TSVs) or the hub; without either, the sentence-pair part is skipped with one line.
 Training-time hooks (cheap): contextual_score() and wordsim_similarity(). There a context
 is one packed [CLS] ... [SEP] block; in --analysis it is one held-out sentence, so the training
 log's contextual_score and analysis.json's are on different scales.
@@ -24,10 +26,13 @@ Entry points: run_analysis(args) and plot_logs(paths, out).
 """
 import argparse
 import json
+import lzma
 import math
 import os
 import random
 import re
+import socket
+import textwrap
 
 import numpy as np
 import torch
@@ -36,13 +41,18 @@ import torch.nn.functional as F
 import data
 from model import Bert
 
-ANALYSIS_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "shared", "data")
-HELD_OUT_TEXT = "corpus/wikitext2_raw_test/wiki.test.raw"  # relative to ANALYSIS_DATA
-WORDSIM353 = os.path.join(ANALYSIS_DATA, "wordsim353", "combined.csv")  # train.py's wordsim_cooc_sim
+ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
+WORDSIM353 = os.path.join(ASSETS, "wordsim353", "combined.csv")
+SIMLEX999 = os.path.join(ASSETS, "simlex999", "simlex999.txt")
+# TACO App. A.3: "20 randomly sampled pairs of frequently co-occurrent words" of WordSim353. The
+# paper names no criterion; we read "frequently co-occurring" as strongly related (human score
+# >= 7.5 of 10: 91 distinct pairs, e.g. money/bank 8.5) and draw the 20 with a fixed seed.
+COOC_PAIRS, COOC_MIN_SCORE, COOC_SEED = 20, 7.5, 0
 ENCODE_BATCH = 64  # sentences per forward pass; memory is dominated by all_layers=True
+RANDOM_SENTENCE_PAIRS = 1000  # COCO-LM Fig. 1's random pairs, drawn from the held-out sentences
 # run_analysis's settings where args leaves them out (eval.py's parser may not define them all)
 ANALYSIS_DEFAULTS = dict(model=None, out=None, text=None, num_sentences=1000, max_len=128,
-                         analysis_data=ANALYSIS_DATA, seed=0, device=None)
+                         glue_dir=None, seed=0, device=None)
 
 
 # ----------------------------------------------------------------------------------
@@ -76,25 +86,49 @@ def sample_context_partners(context_id, gen):
     return out_intra, out_inter
 
 
-def context_similarity(hidden, context_id, gen, distances=True):
-    """TACO's contextual score on token states hidden (N, D) grouped by context_id (N,),
-    with the L1/L2 distance ratios unless distances=False. Only tokens that have both
-    partners count, so intra and inter average over the same tokens."""
+def lp_distance(a, b, p):
+    """Row-wise L_p distance of (N, D) tensors. Scaled by the largest |difference| first:
+    |d| ** 10 overflows float32 once |d| > ~7e3 and underflows below ~1e-4."""
+    d = (a - b).abs()
+    scale = d.amax(-1, keepdim=True).clamp(min=1e-30)
+    return scale.squeeze(-1) * (d / scale).pow(p).sum(-1).pow(1 / p)
+
+
+# TACO Table 9's measurements between a token's state and its partner's, (N, D) x (N, D) -> (N,)
+TABLE9_MEASURES = {
+    "l1": lambda a, b: lp_distance(a, b, 1),
+    "l2": lambda a, b: lp_distance(a, b, 2),
+    "l10": lambda a, b: lp_distance(a, b, 10),
+    "cos": lambda a, b: F.cosine_similarity(a, b, dim=-1),
+    "dot": lambda a, b: (a * b).sum(-1),
+}
+TABLE9_NAMES = {"l1": "L1 distance", "l2": "L2 distance", "l10": "L10 distance",
+                "cos": "cosine similarity", "dot": "dot-product similarity"}
+
+
+def context_similarity(hidden, context_id, gen, ratios=True):
+    """TACO's contextual score on token states hidden (N, D) grouped by context_id (N,), and
+    unless ratios=False Table 9's intra/inter ratios (App. A.3): for each measurement, the
+    mean over tokens of measure(token, intra partner) divided by the mean of
+    measure(token, inter partner), a ratio of means as the paper computes "statistics, then
+    the ratio" (a mean of per-token ratios would explode where an inter cosine is near 0).
+    All five use the same partners. A similarity ratio whose inter mean is <= 0 is NaN: its
+    sign would flip the reading (> 1 = contextual). Only tokens with both partners count."""
     intra, inter = sample_context_partners(context_id, gen)
     keep = (intra >= 0) & (inter >= 0)
+    names = ["intra", "inter", "contextual"] + ([f"{m}_{s}" for m in TABLE9_MEASURES
+                                                  for s in ("intra", "inter", "ratio")] if ratios else [])
     if not keep.any():
-        nan = float("nan")
-        return dict(intra=nan, inter=nan, contextual=nan, l1_intra=nan, l1_inter=nan, l1_ratio=nan,
-                    l2_intra=nan, l2_inter=nan, l2_ratio=nan, num_tokens=0)
+        return {**{k: float("nan") for k in names}, "num_tokens": 0}
     h = hidden.float()
     anchor, same, other = h[keep], h[intra[keep]], h[inter[keep]]
     stats = dict(intra=F.cosine_similarity(anchor, same, dim=-1).mean().item(),
                  inter=F.cosine_similarity(anchor, other, dim=-1).mean().item())
     stats["contextual"] = stats["intra"] - stats["inter"]
-    for p in (1, 2) if distances else ():
-        near = (anchor - same).norm(p=p, dim=-1).mean().item()
-        far = (anchor - other).norm(p=p, dim=-1).mean().item()
-        stats.update({f"l{p}_intra": near, f"l{p}_inter": far, f"l{p}_ratio": far / max(near, 1e-12)})
+    for name, measure in TABLE9_MEASURES.items() if ratios else ():
+        near, far = measure(anchor, same).mean().item(), measure(anchor, other).mean().item()
+        stats.update({f"{name}_intra": near, f"{name}_inter": far,
+                      f"{name}_ratio": near / far if far > 0 else float("nan")})
     stats["num_tokens"] = int(keep.sum())
     return stats
 
@@ -156,7 +190,7 @@ def contextual_score(model, input_ids, gen, special_ids):
         model.train(was_training)
     real = ~torch.isin(input_ids, torch.tensor(ids, device=input_ids.device))
     block = torch.arange(input_ids.size(0), device=input_ids.device)[:, None].expand_as(input_ids)
-    stats = context_similarity(hidden[real], block[real], gen, distances=False)
+    stats = context_similarity(hidden[real], block[real], gen, ratios=False)
     return {k: stats[k] for k in ("intra", "inter", "contextual")}
 
 
@@ -199,13 +233,43 @@ def word_pair_similarity(model, tok, path):
                 human=[p[2] for p in ids], same=[p[3] for p in ids])
 
 
+def cooc_pairs(tok, path=WORDSIM353):
+    """TACO App. A.3's pairs: COOC_PAIRS distinct WordSim353 pairs scored >= COOC_MIN_SCORE
+    whose two words are single tokens, as (word1, word2, id1, id2). The candidates are shuffled
+    with a fixed seed before the tokenizer filters them, so tokenizers that keep the same words
+    whole get the same pairs. Duplicates (money/cash is listed twice) and identical words
+    (tiger/tiger, cosine 1 by construction) are left out."""
+    seen, candidates = set(), []
+    for a, b, score in read_word_pairs(path):
+        key = frozenset((a.lower(), b.lower()))
+        if score >= COOC_MIN_SCORE and len(key) == 2 and key not in seen:
+            seen.add(key)
+            candidates.append((a, b))
+    random.Random(COOC_SEED).shuffle(candidates)
+    chosen = []
+    for a, b in candidates:
+        ids = single_token_id(tok, a), single_token_id(tok, b)
+        if None not in ids:
+            chosen.append((a, b, *ids))
+        if len(chosen) == COOC_PAIRS:
+            break
+    return chosen
+
+
+@torch.no_grad()
 def wordsim_similarity(model, tok, path=WORDSIM353):
-    """TACO Fig. 3a: mean cosine of the static word embeddings of WordSim353 pairs (both
-    words single tokens; identical-word pairs such as tiger/tiger left out, their cosine
-    is 1 by construction). None when the file is missing or no pair is covered."""
+    """TACO App. A.3 / Fig. 3a embedding similarity: mean cosine of the input word-embedding
+    rows (not contextual states) of the cooc_pairs(). None when the file is missing or no
+    pair has two single-token words."""
     if not path or not os.path.isfile(path):
         return None
-    return _distinct_pair_mean(word_pair_similarity(model, tok, path))
+    pairs = cooc_pairs(tok, path)
+    if not pairs:
+        return None
+    weight = model.embeddings.word.weight
+    a = torch.tensor([p[2] for p in pairs], device=weight.device)
+    b = torch.tensor([p[3] for p in pairs], device=weight.device)
+    return F.cosine_similarity(weight[a].float(), weight[b].float(), dim=-1).mean().item()
 
 
 def _distinct_pair_mean(sim):
@@ -238,25 +302,30 @@ def load_sentences(documents, num_sentences, seed=0, min_words=5):
     return sentences
 
 
+def read_lines(path):
+    """Lines of a UTF-8 text file, .xz-compressed or not (CRLF or LF)."""
+    opener = lzma.open if path.endswith(".xz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        return f.read().splitlines()
+
+
 def held_out_documents(text_path, model_path):
     """Held-out text: --text, else the run's own validation split through data.py (decoded back
-    to text so every model re-tokenizes it), else WikiText-2 test from the shared data (a Hugging
-    Face directory has no validation split)."""
+    to text so every model re-tokenizes it), else the sample corpus that ships with the repo
+    (data.SAMPLE_CORPUS, WikiText-2 test; a Hugging Face directory has no validation split)."""
     if text_path:
         if not os.path.isfile(text_path):
             raise ValueError(f"--text {text_path}: no such file")
-        with open(text_path, encoding="utf-8") as f:
-            return f.read().splitlines(), text_path
+        return read_lines(text_path), text_path
     run_dir = model_path if os.path.isdir(model_path) else os.path.dirname(model_path)
     try:  # train.py's first log line holds data.prepare_data's arguments under their names
         with open(os.path.join(run_dir, "log.jsonl")) as f:
             cfg = json.loads(f.readline())["config"]
         tok, _, val = data.prepare_data(cfg["data"], cfg["cache_dir"], run_dir, cfg["vocab_size"], cfg["val_fraction"])
     except Exception as e:
-        default = os.path.join(ANALYSIS_DATA, HELD_OUT_TEXT)
-        if os.path.isfile(default):
-            with open(default, encoding="utf-8") as f:
-                return f.read().splitlines(), os.path.normpath(default)
+        sample = getattr(data, "SAMPLE_CORPUS", None)
+        if sample and os.path.isfile(sample):
+            return read_lines(sample), f"{os.path.basename(sample)} (sample corpus; no validation split of {run_dir})"
         raise ValueError(f"no held-out text: pass --text FILE (validation split of {run_dir} unavailable: "
                          f"{type(e).__name__}: {e})") from None
     stream = np.asarray(val[:2_000_000]).astype(np.int64)
@@ -314,40 +383,77 @@ def encode(model, sequences, pad_id, device="cpu"):
                 self_similarity=(self_sim_sum / max(self_sim_count, 1)).tolist())
 
 
-def read_stsb(glue_dir):
-    """(sentence1, sentence2, score) rows of STS-B train + dev (GLUE TSV, no quoting)."""
+def read_stsb(glue_dir=None):
+    """(sentence1, sentence2, score) rows of the STS-B validation split: glue_dir/STS-B/dev.tsv
+    (original GLUE TSV, quoting off) when glue_dir is given, else nyu-mll/glue from the hub.
+    Raises ValueError saying why when neither can be read."""
+    if not glue_dir:
+        return _stsb_from_hub()
+    path = os.path.join(glue_dir, "STS-B", "dev.tsv")
+    if not os.path.isfile(path):
+        raise ValueError(f"no STS-B/dev.tsv in --glue_dir {glue_dir}")
     rows = []
-    for split in ("train.tsv", "dev.tsv"):
-        path = os.path.join(glue_dir, split)
-        if not os.path.isfile(path):
-            continue
-        with open(path, encoding="utf-8") as f:
-            next(f)  # header
-            for line in f:
-                cols = line.rstrip("\n").split("\t")
-                if len(cols) >= 10:
-                    rows.append((cols[7], cols[8], float(cols[9])))
+    with open(path, encoding="utf-8") as f:
+        next(f, None)  # header
+        for line in f:
+            cols = line.rstrip("\r\n").split("\t")
+            if len(cols) >= 10:
+                rows.append((cols[7], cols[8], float(cols[9])))
     return rows
 
 
-def sentence_pair_similarity(model, tok, rows, max_len, device, seed=0):
-    """COCO-LM Fig. 1: cosine of [CLS] and mean-pooled vectors for the STS-B pairs scored
-    5.0 and for as many (at least 300) random pairs of STS-B sentences, each sentence
-    encoded on its own."""
+def _hub_reachable(host="huggingface.co", timeout=3.0):
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def _stsb_from_hub():
+    import datasets
+    offline = any(os.environ.get(v, "") not in ("", "0") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+    # offline mode reads the local hub cache; otherwise, without a network the hub client would
+    # retry for ~25 s, printing every retry: one 3 s probe fails faster and quietly
+    if not offline and not _hub_reachable():
+        raise ValueError("huggingface.co is unreachable (offline?) and no --glue_dir was given")
+    try:
+        ds = datasets.load_dataset("nyu-mll/glue", "stsb", split="validation")
+    except Exception as e:
+        reason = (str(e).splitlines() or [""])[0][:200]
+        raise ValueError(f"hub nyu-mll/glue stsb unavailable ({type(e).__name__}: {reason})") from None
+    return list(zip(ds["sentence1"], ds["sentence2"], ds["label"]))
+
+
+def sentence_pair_similarity(model, tok, rows, max_len, device):
+    """COCO-LM Fig. 1's similar pairs: cosine of the [CLS] and mean-pooled vectors of the
+    STS-B pairs scored 5.0 (the top score), each sentence encoded on its own."""
     similar = [(a, b) for a, b, score in rows if score >= 5.0]
-    pool = sorted({s for a, b, _ in rows for s in (a, b)})
-    rng = random.Random(seed)
-    random_pairs = [tuple(rng.sample(pool, 2)) for _ in range(max(len(similar), 300))]
-    sentences = sorted({s for pair in similar + random_pairs for s in pair})
+    sentences = sorted({s for pair in similar for s in pair})
     where = {s: i for i, s in enumerate(sentences)}
+    out = {"num_similar_pairs": len(similar)}
+    if not similar:
+        return out
     enc = encode(model, tokenize(tok, sentences, max_len), tok.token_to_id("[PAD]"), device)
-    out = {"num_similar_pairs": len(similar), "num_random_pairs": len(random_pairs)}
+    a = torch.tensor([where[p[0]] for p in similar])
+    b = torch.tensor([where[p[1]] for p in similar])
     for pooling in ("cls", "mean"):
-        vectors = enc[pooling]
-        for name, pairs in (("similar", similar), ("random", random_pairs)):
-            a = torch.tensor([where[p[0]] for p in pairs], dtype=torch.long)
-            b = torch.tensor([where[p[1]] for p in pairs], dtype=torch.long)
-            out[f"{pooling}_{name}"] = F.cosine_similarity(vectors[a], vectors[b], dim=-1).tolist()
+        out[f"{pooling}_similar"] = F.cosine_similarity(enc[pooling][a], enc[pooling][b], dim=-1).tolist()
+    return out
+
+
+def random_sentence_pairs(enc, num_pairs, seed=0):
+    """COCO-LM Fig. 1's random pairs ("from the pretraining corpus"): cosine of the [CLS] and
+    mean-pooled vectors of num_pairs seeded pairs of distinct held-out sentences."""
+    S = enc["cls"].size(0)
+    if S < 2:
+        return {"num_random_pairs": 0}
+    rng = random.Random(seed)
+    pairs = [rng.sample(range(S), 2) for _ in range(num_pairs)]
+    a, b = torch.tensor([p[0] for p in pairs]), torch.tensor([p[1] for p in pairs])
+    out = {"num_random_pairs": num_pairs}
+    for pooling in ("cls", "mean"):
+        out[f"{pooling}_random"] = F.cosine_similarity(enc[pooling][a], enc[pooling][b], dim=-1).tolist()
     return out
 
 
@@ -377,8 +483,9 @@ def _finite(obj):
 
 
 @torch.no_grad()
-def analyze_model(model, tok, sentences, max_len, device, seed, data_dir, heatmap_sentence):
-    """All numbers for one model (a JSON-ready dict) and the raw values the plots need."""
+def analyze_model(model, tok, sentences, max_len, device, seed, stsb_rows, heatmap_sentence):
+    """All numbers for one model (a JSON-ready dict) and the raw values the plots need.
+    stsb_rows: read_stsb()'s rows, or None to leave out COCO-LM's similar pairs."""
     enc = encode(model, tokenize(tok, sentences, max_len), tok.token_to_id("[PAD]"), device)
     gen = torch.Generator().manual_seed(seed)
     result = {"num_sentences": len(sentences), "num_tokens": int(enc["tokens"].size(0))}
@@ -392,36 +499,53 @@ def analyze_model(model, tok, sentences, max_len, device, seed, data_dir, heatma
     unit = F.normalize(h, dim=-1)
     raw["heatmap"] = (unit @ unit.T).numpy()
     raw["heatmap_tokens"] = [tok.id_to_token(i) for i in ids[1:-1]]
-    # static word embeddings
-    for name, rel in (("wordsim353", "wordsim353/combined.csv"), ("simlex999", "simlex999/simlex999.txt")):
-        path = os.path.join(data_dir, rel)
-        if not os.path.isfile(path):
-            result[name] = None
-            continue
+    # input word embeddings (not contextual states)
+    for name, path in (("wordsim353", WORDSIM353), ("simlex999", SIMLEX999)):
         sim = word_pair_similarity(model, tok, path)
         raw[name] = sim
         result[name] = dict(pairs=sim["pairs"], covered=sim["covered"], coverage=sim["coverage"],
-                            spearman=spearman(sim["cos"], sim["human"]),
-                            mean_cos=_distinct_pair_mean(sim))
-    # sentence pairs (COCO-LM)
-    rows = read_stsb(os.path.join(data_dir, "glue", "STS-B"))
-    if rows:
-        pairs = sentence_pair_similarity(model, tok, rows, max_len, device, seed)
-        raw["sentence_pairs"] = pairs
-        result["sentence_similarity"] = {k: (_mean(v) if isinstance(v, list) else v) for k, v in pairs.items()}
-        for pooling in ("cls", "mean"):
-            s = result["sentence_similarity"]
-            s[f"{pooling}_gap"] = s[f"{pooling}_similar"] - s[f"{pooling}_random"]
-    else:
-        result["sentence_similarity"] = None
+                            spearman=spearman(sim["cos"], sim["human"]), mean_cos=_distinct_pair_mean(sim))
+    result["wordsim353"]["cooc_pairs"] = [f"{a}/{b}" for a, b, _, _ in cooc_pairs(tok)]
+    result["wordsim353"]["cooc_cos"] = wordsim_similarity(model, tok)
+    # sentence pairs (COCO-LM Fig. 1)
+    pairs = random_sentence_pairs(enc, RANDOM_SENTENCE_PAIRS, seed)
+    if stsb_rows is not None:
+        pairs.update(sentence_pair_similarity(model, tok, stsb_rows, max_len, device))
+    raw["sentence_pairs"] = pairs
+    s = result["sentence_similarity"] = {k: (_mean(v) if isinstance(v, list) else v) for k, v in pairs.items()}
+    for pooling in ("cls", "mean"):
+        both = s.get(f"{pooling}_similar") is not None and s.get(f"{pooling}_random") is not None
+        s[f"{pooling}_gap"] = s[f"{pooling}_similar"] - s[f"{pooling}_random"] if both else None
     return result, raw
+
+
+def _write_atomic(path, write):
+    """write(tmp_path), then rename: an interrupted run never leaves a truncated file."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _save_json(obj, path):
+    def write(tmp):
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=2)
+    _write_atomic(path, write)
+
+
+def _save_figure(fig, path, dpi=110):
+    _write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=dpi, format="png"))
 
 
 def run_analysis(args):
     """eval.py --analysis. Reads args.model (run dirs, HF dirs or ckpt.pt files), args.out
     (default: the first model's directory) and args.text; optional: num_sentences, max_len,
-    analysis_data, seed, device. Writes analysis.json and the analysis_*.png plots into
-    out and returns the results dict."""
+    glue_dir (STS-B/dev.tsv; default the hub), seed, device. Writes analysis.json and the
+    analysis_*.png plots into out and returns the results dict."""
     given = {k: v for k, v in vars(args).items() if v is not None}
     args = argparse.Namespace(**{**ANALYSIS_DEFAULTS, **given})
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -434,20 +558,27 @@ def run_analysis(args):
     sentences = load_sentences(documents, args.num_sentences, args.seed)
     if len(sentences) < 2:
         raise ValueError(f"{text_source}: fewer than 2 sentences of 5+ words")
+    print(f"held-out text: {len(sentences)} sentences of {text_source}")
+    try:
+        stsb_rows, stsb_source = read_stsb(args.glue_dir), args.glue_dir or "hub nyu-mll/glue stsb"
+    except ValueError as e:  # the rest of the analysis needs no STS-B
+        stsb_rows, stsb_source = None, None
+        print(f"STS-B skipped (the sentence-similarity plot keeps its random pairs; the rest goes on): {e}; "
+              f"pass --glue_dir DIR holding STS-B/dev.tsv")
     # one readable sentence for the heatmap, the same text for every model
     heatmap_sentence = next((s for s in sentences if 8 <= len(s.split()) <= 16), sentences[0])
     results = {"text": text_source, "num_sentences": len(sentences), "seed": args.seed, "max_len": args.max_len,
-               "heatmap_sentence": heatmap_sentence, "models": {}}
+               "stsb": stsb_source and f"{stsb_source} (validation split)", "heatmap_sentence": heatmap_sentence,
+               "models": {}}
     raws = {}
     for label, path in zip(_labels(models), models):
         print(f"analysing {path}")
         model = Bert.from_pretrained(path).to(device).eval()
         result, raws[label] = analyze_model(model, load_tokenizer(path), sentences, args.max_len, device,
-                                            args.seed, args.analysis_data, heatmap_sentence)
+                                            args.seed, stsb_rows, heatmap_sentence)
         results["models"][label] = {"path": path, **result}
         del model
-    with open(os.path.join(out, "analysis.json"), "w") as f:
-        json.dump(_finite(results), f, indent=2)
+    _save_json(_finite(results), os.path.join(out, "analysis.json"))
     plot_contextual(results, os.path.join(out, "analysis_contextual.png"))
     plot_self_similarity(results, os.path.join(out, "analysis_self_similarity.png"))
     plot_heatmaps(raws, heatmap_sentence, os.path.join(out, "analysis_heatmap.png"))
@@ -458,16 +589,41 @@ def run_analysis(args):
     return results
 
 
+def summary_rows(result):
+    """(statistic, value) rows of the console summary for one model's result, full names."""
+    c, ws, sl = result["contextual"], result["wordsim353"], result["simlex999"]
+    ss = result["sentence_similarity"]
+    rows = [("intra-context cosine (token vs same sentence)", c["intra"]),
+            ("inter-context cosine (token vs other sentence)", c["inter"]),
+            ("contextual score = intra - inter (TACO Fig. 3b)", c["contextual"])]
+    rows += [(f"intra/inter {TABLE9_NAMES[m]} (Table 9, {'< 1' if m.startswith('l') else '> 1'}: contextual)",
+              c[f"{m}_ratio"]) for m in TABLE9_MEASURES]
+    rows += [("isotropy: cosine of random token pairs", result["isotropy_random_pair_cos"]),
+             ("self-similarity within a sentence, last layer (TaCL)", result["self_similarity_per_layer"][-1]),
+             (f"WordSim353 {COOC_PAIRS} related pairs, embedding cosine (A.3)", ws["cooc_cos"]),
+             ("WordSim353 Spearman, embedding cosine vs human", ws["spearman"]),
+             ("SimLex-999 Spearman, embedding cosine vs human", sl["spearman"]),
+             ("sentence cosine [CLS], random pairs (COCO-LM)", ss.get("cls_random")),
+             ("sentence cosine [CLS], STS-B 5.0 minus random pairs", ss.get("cls_gap")),
+             ("sentence cosine mean-pooled, random pairs", ss.get("mean_random")),
+             ("sentence cosine mean-pooled, STS-B 5.0 minus random", ss.get("mean_gap"))]
+    return rows
+
+
 def print_summary(results):
-    print(f"{'model':<24} {'intra':>6} {'inter':>6} {'ctx':>6} {'L1r':>5} {'L2r':>5} {'iso':>6} "
-          f"{'ws_cos':>6} {'ws_rho':>6} {'sl_rho':>6} {'cls_gap':>7} {'mean_gap':>8}")
-    fmt = lambda v, w: f"{v:>{w}.3f}" if isinstance(v, float) and not math.isnan(v) else f"{'-':>{w}}"
-    for label, r in results["models"].items():
-        c, ws, sl, ss = r["contextual"], r["wordsim353"] or {}, r["simlex999"] or {}, r["sentence_similarity"] or {}
-        print(f"{label[-24:]:<24} {fmt(c['intra'], 6)} {fmt(c['inter'], 6)} {fmt(c['contextual'], 6)} "
-              f"{fmt(c['l1_ratio'], 5)} {fmt(c['l2_ratio'], 5)} {fmt(r['isotropy_random_pair_cos'], 6)} "
-              f"{fmt(ws.get('mean_cos'), 6)} {fmt(ws.get('spearman'), 6)} {fmt(sl.get('spearman'), 6)} "
-              f"{fmt(ss.get('cls_gap'), 7)} {fmt(ss.get('mean_gap'), 8)}")
+    """One row per statistic, one column per model (last-layer token states unless noted)."""
+    labels = list(results["models"])
+    table = {label: summary_rows(r) for label, r in results["models"].items()}
+    names = [name for name, _ in table[labels[0]]]
+    width = max(len(n) for n in names)
+    heads = [label if len(label) <= 11 else "..." + label[-8:] for label in labels]
+    fmt = lambda v: f"{v:>12.3f}" if isinstance(v, float) and math.isfinite(v) else f"{'-':>12}"
+    print(f"{'statistic':<{width}}" + "".join(f"{h:>12}" for h in heads))
+    for k, name in enumerate(names):
+        print(f"{name:<{width}}" + "".join(fmt(table[label][k][1]) for label in labels))
+    if any(h != label for h, label in zip(heads, labels)):
+        print("models: " + ", ".join(f"{h} = {label}" for h, label in zip(heads, labels) if h != label))
+    print("- : not available (no STS-B, no covered word pairs, or a similarity ratio whose inter mean is <= 0)")
 
 
 # ----------------------------------------------------------------------------------
@@ -481,134 +637,171 @@ def _pyplot():
     return plt
 
 
-def _grouped_bars(ax, groups, series, colors):
-    """groups: x tick labels; series: {legend label: [value per group]} (None = missing)."""
+def _wrap(label, width=26):
+    """Long run paths as legend/title labels: wrapped, not cut."""
+    return "\n".join(textwrap.wrap(label, width, break_on_hyphens=False)) or label
+
+
+def _grouped_bars(ax, groups, series, colors, base=0.0, digits=2):
+    """groups: x tick labels; series: {legend label: [value per group]} (None = missing).
+    Bars start at base (1 for ratios, so they point up or down from 'no difference');
+    value labels turn vertical beyond three models so that six stay readable."""
     width = 0.8 / max(len(series), 1)
-    for k, (label, values) in enumerate(series.items()):
+    vertical = len(series) > 3
+    values = []
+    for k, (label, heights) in enumerate(series.items()):
         x = np.arange(len(groups)) + (k - (len(series) - 1) / 2) * width
-        heights = [np.nan if v is None else v for v in values]
-        bars = ax.bar(x, heights, width, label=label, color=colors[k % len(colors)])
-        ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=1)
-    ax.set_xticks(np.arange(len(groups)), groups)
-    ax.axhline(0, color="black", linewidth=0.6)
+        heights = np.array([np.nan if v is None else v for v in heights], dtype=float)
+        values += [v for v in heights if np.isfinite(v)]
+        bars = ax.bar(x, heights - base, width, bottom=base, label=_wrap(label), color=colors[k % len(colors)])
+        ax.bar_label(bars, labels=["" if not np.isfinite(v) else f"{v:.{digits}f}" for v in heights],
+                     fontsize=6 if vertical else 7, rotation=90 if vertical else 0, padding=2)
+    ax.set_xticks(np.arange(len(groups)), groups, fontsize=8)
+    ax.axhline(base, color="black", linewidth=0.6)
+    if values:  # room for the value labels above and below
+        low, high = min(min(values), base), max(max(values), base)
+        pad = 0.25 * (high - low or 1.0)
+        ax.set_ylim(low - (pad if low < base else 0.05 * pad), high + pad)
+
+
+def _legend_below(fig, ax, n):
+    fig.legend(*ax.get_legend_handles_labels(), loc="lower center", ncol=min(n, 3), frameon=False, fontsize=8)
 
 
 def plot_contextual(results, path):
     plt = _pyplot()
     colors = plt.cm.tab10.colors
     models = results["models"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw=dict(width_ratios=[2, 1]))
+    n = len(models)
+    legend_rows = math.ceil(n / 3)
+    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(15, 5 + 0.35 * legend_rows),
+                                              gridspec_kw=dict(width_ratios=[4, 3, 2.2]))
     groups = ["intra-context", "inter-context", "contextual score\n(intra - inter)", "random pairs\n(isotropy)"]
-    _grouped_bars(left, groups, {label: [r["contextual"]["intra"], r["contextual"]["inter"], r["contextual"]["contextual"],
-                                         r["isotropy_random_pair_cos"]] for label, r in models.items()}, colors)
-    left.set_ylabel("mean cosine, last layer")
-    left.set_title("Token similarity within vs across sentences (TACO)")
-    _grouped_bars(right, ["L1", "L2"], {label: [r["contextual"]["l1_ratio"], r["contextual"]["l2_ratio"]]
-                                        for label, r in models.items()}, colors)
-    right.axhline(1, color="gray", linestyle="--", linewidth=0.8)
-    right.set_ylabel("inter / intra mean distance")
-    right.set_title("Distance ratio (> 1: closer to own sentence)")
-    fig.legend(*left.get_legend_handles_labels(), loc="lower center", ncol=min(len(models), 4), frameon=False)
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
-    fig.savefig(path, dpi=120)
+    _grouped_bars(left, groups, {label: [r["contextual"]["intra"], r["contextual"]["inter"],
+                                         r["contextual"]["contextual"], r["isotropy_random_pair_cos"]]
+                                 for label, r in models.items()}, colors)
+    left.set_ylabel("mean cosine of last-layer token states")
+    left.set_title("Token vs a token of its own / another sentence (TACO)", fontsize=10)
+    distances, similarities = [m for m in TABLE9_MEASURES if m.startswith("l")], ["cos", "dot"]
+    _grouped_bars(middle, [TABLE9_NAMES[m].replace(" ", "\n") for m in distances],
+                  {label: [r["contextual"][f"{m}_ratio"] for m in distances] for label, r in models.items()},
+                  colors, base=1.0, digits=3)
+    middle.set_ylabel("mean intra-context / mean inter-context")
+    middle.set_title("Table 9 distance ratios (< 1: closer to own sentence)", fontsize=10)
+    _grouped_bars(right, [TABLE9_NAMES[m].replace(" ", "\n") for m in similarities],
+                  {label: [r["contextual"][f"{m}_ratio"] for m in similarities] for label, r in models.items()},
+                  colors, base=1.0, digits=3)
+    right.set_title("Table 9 similarity ratios\n(> 1: more similar to own sentence)", fontsize=10)
+    _legend_below(fig, left, n)
+    fig.tight_layout(rect=(0, 0.07 * legend_rows, 1, 1))
+    _save_figure(fig, path)
     plt.close(fig)
 
 
 def plot_self_similarity(results, path):
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    fig, ax = plt.subplots(figsize=(7, 4.8))
     for label, r in results["models"].items():
         values = r["self_similarity_per_layer"]
-        ax.plot(range(len(values)), values, marker="o", label=label)
+        ax.plot(range(len(values)), values, marker="o", label=_wrap(label, 40))
     ax.set_xlabel("layer (0 = embeddings)")
     ax.set_ylabel("mean pairwise cosine within a sentence")
-    ax.set_title("Layer-wise self-similarity (TaCL), [CLS]/[SEP] excluded")
+    ax.set_title("Layer-wise self-similarity (TaCL), [CLS]/[SEP] excluded", fontsize=10)
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    _save_figure(fig, path)
     plt.close(fig)
 
 
 def plot_heatmaps(raws, sentence, path):
+    """One panel per model in a grid of at most three columns."""
     plt = _pyplot()
     labels = list(raws)
+    ncols = min(len(labels), 3)
+    nrows = math.ceil(len(labels) / ncols)
     n_tokens = max(len(raws[l]["heatmap_tokens"]) for l in labels)
-    size = max(4.0, 0.28 * n_tokens + 1.5)
-    fig, axes = plt.subplots(1, len(labels), figsize=(size * len(labels) + 1, size + 0.8), squeeze=False,
+    size = min(max(3.5, 0.22 * n_tokens + 1.2), 6.5)  # inches per panel: token labels stay legible
+    fontsize = 8 if n_tokens <= 24 else 6
+    fig, axes = plt.subplots(nrows, ncols, figsize=(size * ncols + 1.2, size * nrows + 0.9), squeeze=False,
                              layout="constrained")
     vmin = min(0.0, min(float(raws[l]["heatmap"].min()) for l in labels))
-    for ax, label in zip(axes[0], labels):
+    for ax, label in zip(axes.flat, labels):
         tokens = raws[label]["heatmap_tokens"]
         image = ax.imshow(raws[label]["heatmap"], vmin=vmin, vmax=1.0, cmap="viridis")
-        ax.set_xticks(range(len(tokens)), tokens, rotation=90, fontsize=8)
-        ax.set_yticks(range(len(tokens)), tokens, fontsize=8)
-        ax.set_title(label, fontsize=10)
-    fig.colorbar(image, ax=axes[0].tolist(), shrink=0.8, label="cosine, last layer")
-    short = sentence if len(sentence) <= 100 else sentence[:97] + "..."
-    fig.suptitle(f"Token x token cosine (TaCL): \"{short}\"", fontsize=10)
-    fig.savefig(path, dpi=120)
+        ax.set_xticks(range(len(tokens)), tokens, rotation=90, fontsize=fontsize)
+        ax.set_yticks(range(len(tokens)), tokens, fontsize=fontsize)
+        ax.set_title(_wrap(label, 40), fontsize=9)
+    for ax in axes.flat[len(labels):]:
+        ax.set_axis_off()
+    fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.6, label="cosine, last layer")
+    wrapped = "\n".join(textwrap.wrap(f'"{sentence}"', 110)[:3])
+    fig.suptitle(f"Token x token cosine (TaCL) of one held-out sentence:\n{wrapped}", fontsize=10)
+    _save_figure(fig, path)
     plt.close(fig)
 
 
 def plot_sentence_similarity(raws, path):
+    """One row per model: histograms of [CLS] and mean-pooled cosine, random vs STS-B 5.0 pairs."""
     plt = _pyplot()
-    labels = [l for l in raws if "sentence_pairs" in raws[l]]
-    fig, axes = plt.subplots(2, max(len(labels), 1), figsize=(4.2 * max(len(labels), 1), 6.5), squeeze=False)
-    if not labels:
-        for ax in axes.flat:
-            ax.text(0.5, 0.5, "STS-B not found", ha="center", va="center")
-            ax.set_axis_off()
-    for col, label in enumerate(labels):
+    labels = list(raws)
+    fig, axes = plt.subplots(len(labels), 2, figsize=(10, 2.7 * len(labels) + 0.8), squeeze=False)
+    for row, label in enumerate(labels):
         pairs = raws[label]["sentence_pairs"]
-        for row, (pooling, name) in enumerate((("cls", "[CLS]"), ("mean", "mean-pooled"))):
+        for col, (pooling, name) in enumerate((("cls", "[CLS]"), ("mean", "mean-pooled"))):
             ax = axes[row, col]
-            rand, sim = pairs[f"{pooling}_random"], pairs[f"{pooling}_similar"]
-            low, high = min(min(rand), min(sim)), max(1.0, max(rand), max(sim))  # rounding can give 1 + 1e-7
+            rand, sim = pairs.get(f"{pooling}_random", []), pairs.get(f"{pooling}_similar", [])
+            both = rand + sim
+            if not both:
+                ax.text(0.5, 0.5, "no sentence pairs", ha="center", va="center", transform=ax.transAxes)
+                continue
+            low, high = min(both), max(1.0, max(both))  # rounding can give 1 + 1e-7
             bins = np.linspace(min(low, high - 1e-3), high, 40)
             # fractions, not densities: comparable heights however narrow the cosine range
-            ax.hist(rand, bins=bins, weights=np.full(len(rand), 1 / len(rand)), alpha=0.6, color="tab:gray",
-                    label=f"random pairs (mean {np.mean(rand):.3f})")
-            ax.hist(sim, bins=bins, weights=np.full(len(sim), 1 / len(sim)), alpha=0.6, color="tab:red",
-                    label=f"STS-B score 5 (mean {np.mean(sim):.3f})")
+            for values, color, what in ((rand, "tab:gray", "random pairs"), (sim, "tab:red", "STS-B score 5")):
+                if values:
+                    ax.hist(values, bins=bins, weights=np.full(len(values), 1 / len(values)), alpha=0.6,
+                            color=color, label=f"{what} (n={len(values)}, mean {np.mean(values):.3f})")
             ax.ticklabel_format(axis="x", useOffset=False)
-            ax.set_xlabel(f"cosine of {name} vectors")
-            ax.set_ylabel("fraction of pairs")
-            ax.set_title(label if row == 0 else "", fontsize=10)
+            ax.set_xlabel(f"cosine of {name} vectors", fontsize=8)
+            ax.set_ylabel("fraction of pairs", fontsize=8)
+            ax.set_title(_wrap(label, 50) + ("" if sim else " (STS-B skipped)"), fontsize=9)
             ax.legend(fontsize=7, loc="upper left")
-    fig.suptitle("Sentence similarity: random vs semantically similar pairs (COCO-LM)", fontsize=11)
+    fig.suptitle("Sentence similarity: random held-out pairs vs STS-B pairs scored 5.0 (COCO-LM Fig. 1)",
+                 fontsize=11)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    _save_figure(fig, path)
     plt.close(fig)
 
 
 def plot_word_similarity(results, raws, path):
+    """Top: the word-embedding scores side by side; below: one scatter per model."""
     plt = _pyplot()
     colors = plt.cm.tab10.colors
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for k, label in enumerate(raws):
-        sim = raws[label].get("wordsim353")
-        if sim:
-            left.scatter(sim["human"], sim["cos"], s=10, alpha=0.6, color=colors[k % len(colors)],
-                         label=f"{label} ({sim['covered']}/{sim['pairs']} pairs)")
-    left.set_xlabel("WordSim353 human score")
-    left.set_ylabel("cosine of static word embeddings")
-    left.set_title("WordSim353 pairs, single-token words")
-    if left.has_data():
-        left.legend(fontsize=8)
-    else:
-        left.text(0.5, 0.5, "WordSim353 not found", ha="center", va="center", transform=left.transAxes)
-    series = {}
-    for label, r in results["models"].items():
-        ws, sl = r["wordsim353"] or {}, r["simlex999"] or {}
-        series[label] = [ws.get("spearman"), sl.get("spearman"), ws.get("mean_cos")]
-    _grouped_bars(right, ["WordSim353\nSpearman", "SimLex-999\nSpearman", "WordSim353\nmean cosine"], series, colors)
-    right.set_title("Static embedding quality")
-    right.set_ylabel("value")
-    right.legend(fontsize=8)
+    labels = list(raws)
+    ncols = min(len(labels), 3)
+    nrows = math.ceil(len(labels) / ncols)
+    fig = plt.figure(figsize=(14, 4.8 + 3.4 * nrows))
+    grid = fig.add_gridspec(1 + nrows, ncols, height_ratios=[4.2] + [3.4] * nrows)
+    top = fig.add_subplot(grid[0, :])
+    series = {label: [r["wordsim353"]["cooc_cos"], r["wordsim353"]["mean_cos"], r["wordsim353"]["spearman"],
+                      r["simlex999"]["spearman"]] for label, r in results["models"].items()}
+    _grouped_bars(top, [f"WordSim353, {COOC_PAIRS} related pairs\nmean cosine (TACO A.3)",
+                        "WordSim353, all pairs\nmean cosine", "WordSim353\nSpearman vs human",
+                        "SimLex-999\nSpearman vs human"], series, colors)
+    top.set_title("Input word embeddings (single-token words only)", fontsize=10)
+    top.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    for k, label in enumerate(labels):
+        ax = fig.add_subplot(grid[1 + k // ncols, k % ncols])
+        sim = raws[label]["wordsim353"]
+        ax.scatter(sim["human"], sim["cos"], s=8, alpha=0.6, color=colors[k % len(colors)])
+        ax.set_title(_wrap(f"{label}: {sim['covered']}/{sim['pairs']} WordSim353 pairs", 50), fontsize=9)
+        ax.set_xlabel("human score", fontsize=8)
+        ax.set_ylabel("embedding cosine", fontsize=8)
+        ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    _save_figure(fig, path)
     plt.close(fig)
 
 
@@ -652,7 +845,7 @@ def plot_logs(paths, out):
               else 1 if k.startswith("val_") else 0)
     if not keys:
         raise ValueError(f"no numeric log lines in {', '.join(paths)}")
-    ncols = min(3, len(keys))
+    ncols = min(3 if len(keys) <= 9 else 4, len(keys))
     nrows = math.ceil(len(keys) / ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(5 * ncols, 3.4 * nrows + 0.6), squeeze=False)
     colors = plt.cm.tab10.colors
@@ -665,14 +858,13 @@ def plot_logs(paths, out):
                 handles[label] = line
         ax.set_title(key, fontsize=10)
         ax.set_xlabel("step")
-        ax.set_ylabel(key, fontsize=8)
         ax.grid(alpha=0.3)
     for ax in axes.flat[len(keys):]:
         ax.set_axis_off()
     labels = [l for l in logs if l in handles]
     fig.legend([handles[l] for l in labels], labels, loc="upper center", ncol=min(len(labels), 4), frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / (3.4 * nrows + 0.6)))
-    fig.savefig(path, dpi=120)
+    _save_figure(fig, path)
     plt.close(fig)
     print(f"wrote {path}")
     return path

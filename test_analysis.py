@@ -103,23 +103,53 @@ def test_context_partners_valid_and_uniform():
 
 def test_context_similarity_matches_loop():
     torch.manual_seed(0)
-    hidden, context = torch.randn(40, 8), torch.randint(0, 5, (40,))
+    hidden, context = torch.randn(40, 8) + 0.3, torch.randint(0, 5, (40,))  # + 0.3: inter cosine > 0
     stats = A.context_similarity(hidden, context, torch.Generator().manual_seed(7))
     intra, inter = A.sample_context_partners(context, torch.Generator().manual_seed(7))
     h = hidden.tolist()
     kept = [i for i in range(40) if intra[i] >= 0 and inter[i] >= 0]
-    ref_intra = sum(cos(h[i], h[intra[i]]) for i in kept) / len(kept)
-    ref_inter = sum(cos(h[i], h[inter[i]]) for i in kept) / len(kept)
-    l1 = lambda a, b: sum(abs(x - y) for x, y in zip(a, b))
-    l2 = lambda a, b: math.sqrt(sum((x - y) ** 2 for x, y in zip(a, b)))
-    ref_l1 = sum(l1(h[i], h[inter[i]]) for i in kept) / sum(l1(h[i], h[intra[i]]) for i in kept)
-    ref_l2 = sum(l2(h[i], h[inter[i]]) for i in kept) / sum(l2(h[i], h[intra[i]]) for i in kept)
+    measures = {"l1": lambda a, b: sum(abs(x - y) for x, y in zip(a, b)),
+                "l2": lambda a, b: math.sqrt(sum((x - y) ** 2 for x, y in zip(a, b))),
+                "l10": lambda a, b: sum(abs(x - y) ** 10 for x, y in zip(a, b)) ** 0.1,
+                "cos": cos, "dot": lambda a, b: sum(x * y for x, y in zip(a, b))}
     assert stats["num_tokens"] == len(kept)
-    assert stats["intra"] == pytest.approx(ref_intra, abs=1e-5)
-    assert stats["inter"] == pytest.approx(ref_inter, abs=1e-5)
-    assert stats["contextual"] == pytest.approx(ref_intra - ref_inter, abs=1e-5)
-    assert stats["l1_ratio"] == pytest.approx(ref_l1, rel=1e-5)
-    assert stats["l2_ratio"] == pytest.approx(ref_l2, rel=1e-5)
+    for name, measure in measures.items():  # TACO Table 9: mean intra measurement / mean inter measurement
+        near = sum(measure(h[i], h[intra[i]]) for i in kept) / len(kept)
+        far = sum(measure(h[i], h[inter[i]]) for i in kept) / len(kept)
+        assert stats[f"{name}_intra"] == pytest.approx(near, rel=1e-5), name
+        assert stats[f"{name}_inter"] == pytest.approx(far, rel=1e-5), name
+        assert stats[f"{name}_ratio"] == pytest.approx(near / far, rel=1e-5), name
+    assert stats["intra"] == pytest.approx(stats["cos_intra"], abs=1e-6)
+    assert stats["contextual"] == pytest.approx(stats["cos_intra"] - stats["cos_inter"], abs=1e-6)
+
+
+def test_table9_ratios_read_the_paper_way_round():
+    # tokens = their sentence's centre + noise: a contextual model. Table 9's MLM rows have
+    # distance ratios < 1 (0.77-0.98) and similarity ratios > 1 (1.09-3.59); so must ours.
+    g = torch.Generator().manual_seed(0)
+    context = torch.arange(20).repeat_interleave(10)
+    centres = torch.randn(20, 16, generator=g) + 2.0  # + 2: all states share a direction, as BERT's do
+    hidden = centres[context] + 0.5 * torch.randn(200, 16, generator=g)
+    stats = A.context_similarity(hidden, context, torch.Generator().manual_seed(1))
+    assert all(stats[f"{m}_ratio"] < 0.9 for m in ("l1", "l2", "l10"))
+    assert all(stats[f"{m}_ratio"] > 1.05 for m in ("cos", "dot"))
+    # no context at all: every ratio near 1
+    flat = A.context_similarity(torch.randn(200, 16, generator=g) + 2.0, context, torch.Generator().manual_seed(1))
+    assert all(abs(flat[f"{m}_ratio"] - 1) < 0.05 for m in A.TABLE9_MEASURES)
+    # a similarity ratio over a non-positive inter mean would flip its reading: NaN instead
+    anti = torch.tensor([[1.0, 0.0], [1.0, 0.1], [-1.0, 0.0], [-1.0, -0.1]])
+    stats = A.context_similarity(anti, torch.tensor([0, 0, 1, 1]), torch.Generator().manual_seed(0))
+    assert stats["cos_inter"] < 0 and math.isnan(stats["cos_ratio"]) and math.isnan(stats["dot_ratio"])
+    assert stats["l1_ratio"] < 1
+
+
+def test_lp_distance_no_overflow():
+    a = torch.tensor([[3e4, -2e4, 1.0], [1e-6, 0.0, 2e-6]])
+    b = torch.zeros(2, 3)
+    for p in (1, 2, 10):
+        exact = (a.double() - b.double()).abs().pow(p).sum(-1).pow(1 / p)
+        assert torch.allclose(A.lp_distance(a, b, p).double(), exact, rtol=1e-5), p
+    assert torch.isinf((a - b).abs().pow(10).sum(-1)).any()  # the trap the scaling avoids
 
 
 def test_context_similarity_expectation():
@@ -187,10 +217,40 @@ def test_word_pair_similarity_matches_loop(tok, tmp_path):
     expected = [cos(row(a), row(b)) for a, b in [("tiger", "cat"), ("tiger", "tiger"), ("king", "queen"), ("bank", "river")]]
     assert sim["cos"] == pytest.approx(expected, abs=1e-5)
     assert sim["human"] == [7.35, 10.0, 8.58, 3.1]
-    non_identical = [expected[0], expected[2], expected[3]]
-    assert A.wordsim_similarity(model, tok, str(path)) == pytest.approx(sum(non_identical) / 3, abs=1e-5)
+
+
+def test_cooc_pairs_and_wordsim_similarity(tok, tmp_path):
+    # TACO App. A.3: 20 seeded pairs of strongly related words, input embeddings
+    words = [w for w in WORDS if A.single_token_id(tok, w) is not None]
+    lines = ["Word 1,Word 2,Human (mean)", "tiger,tiger,10.00", "money,zyzzyva,9.0", "Money,Cash,9.15", "money,cash,9.08"]
+    related = [(a, b) for i, a in enumerate(words) for b in words[i + 1:]][:40]
+    lines += [f"{a},{b},{7.5 + (k % 20) / 10:.2f}" for k, (a, b) in enumerate(related)]
+    lines += ["bank,river,3.1", "car,train,7.49"]  # below the threshold
+    path = tmp_path / "ws.csv"
+    path.write_text("\r\n".join(lines) + "\r\n")
+    pairs = A.cooc_pairs(tok, str(path))
+    assert len(pairs) == A.COOC_PAIRS == 20 and pairs == A.cooc_pairs(tok, str(path))  # seeded
+    chosen = {frozenset((a.lower(), b.lower())) for a, b, _, _ in pairs}
+    allowed = {frozenset(p) for p in related} | {frozenset(("money", "cash"))}
+    assert len(chosen) == 20 and chosen <= allowed  # no tiger/tiger, no pieces, no duplicate, no score < 7.5
+    model = tiny_bert(tok.get_vocab_size())
+    weight = model.embeddings.word.weight.tolist()
+    expected = np.mean([cos(weight[i], weight[j]) for _, _, i, j in pairs])
+    assert A.wordsim_similarity(model, tok, str(path)) == pytest.approx(expected, abs=1e-5)
     assert A.wordsim_similarity(model, tok, str(tmp_path / "missing.csv")) is None
     assert A.wordsim_similarity(model, tok, None) is None
+    assert A.wordsim_similarity(model, tok) is not None  # the embedded WordSim353, as train.py calls it
+
+
+def test_embedded_word_similarity_assets():
+    assert not os.path.relpath(A.WORDSIM353, HERE).startswith("..")  # inside the repo, not ../shared
+    ws = A.read_word_pairs(A.WORDSIM353)
+    assert len(ws) == 353 and ws[0] == ("love", "sex", 6.77)
+    sl = A.read_word_pairs(A.SIMLEX999)
+    assert len(sl) == 999 and sl[0] == ("old", "new", 1.58)
+    # the A.3 candidates: distinct, non-identical pairs scored >= 7.5
+    strong = {frozenset((a.lower(), b.lower())) for a, b, s in ws if s >= A.COOC_MIN_SCORE and a.lower() != b.lower()}
+    assert len(strong) == 91
 
 
 def test_encode_matches_unpadded_loop(tok):
@@ -259,15 +319,11 @@ def test_contextual_score_of_fake_models():
 
 def test_training_hooks_are_fast(tok, tmp_path):
     model = tiny_bert(tok.get_vocab_size())
-    real = os.path.join(A.ANALYSIS_DATA, "wordsim353", "combined.csv")
-    path = real if os.path.isfile(real) else str(tmp_path / "ws.csv")
-    if path != real:
-        (tmp_path / "ws.csv").write_text("Word 1,Word 2,Human (mean)\ntiger,cat,7.35\n")
     ids = blocks(8, 128, vocab=tok.get_vocab_size())
     A.contextual_score(model, ids, torch.Generator().manual_seed(0), [0, 1, 2, 3, 4])  # warm-up
     start = time.perf_counter()
     A.contextual_score(model, ids, torch.Generator().manual_seed(0), [0, 1, 2, 3, 4])
-    A.wordsim_similarity(model, tok, path)
+    A.wordsim_similarity(model, tok)
     assert time.perf_counter() - start < 1.0
 
 
@@ -275,54 +331,85 @@ def test_training_hooks_are_fast(tok, tmp_path):
 # end to end: --analysis and --plot_log
 
 
-def fake_data_dir(root):
-    (root / "wordsim353").mkdir(parents=True)
-    (root / "wordsim353" / "combined.csv").write_text(
-        "Word 1,Word 2,Human (mean)\r\ntiger,cat,7.35\r\nking,queen,8.58\r\nmoney,bank,8.5\r\nbank,river,3.1\r\n"
-        "computer,keyboard,7.62\r\nbread,butter,6.19\r\ncar,train,6.31\r\n")
-    (root / "simlex999").mkdir()
-    (root / "simlex999" / "simlex999.txt").write_text(
-        "# comment\n# Word 1\tWord 2\tHuman (mean)\ncoast\tshore\t9.0\ndoctor\tnurse\t5.0\n"
-        "book\tpaper\t3.2\nstreet\tavenue\t8.5\n")
-    (root / "glue" / "STS-B").mkdir(parents=True)
+def fake_glue_dir(root):
+    """root/STS-B/dev.tsv in the original GLUE layout: 10 of its 30 pairs scored 5.000."""
+    (root / "STS-B").mkdir(parents=True)
     rows = ["index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\tsentence2\tscore"]
     for i, line in enumerate(make_text(30, seed=5)):
         score = "5.000" if i % 3 == 0 else "2.400"
         rows.append(f"{i}\tmain\tx\t2012\t{i}\tnone\tnone\t{line}\t{line.lower()}\t{score}")
-    (root / "glue" / "STS-B" / "train.tsv").write_text("\n".join(rows) + "\n")
+    (root / "STS-B" / "dev.tsv").write_text("\n".join(rows) + "\n")
     return str(root)
 
 
-def test_run_analysis_writes_json_and_plots(tok, tmp_path):
-    models = [save_model(tiny_bert(tok.get_vocab_size(), seed), tok, tmp_path / name)
-              for seed, name in [(0, "mlm"), (1, "taco")]]
+def no_hub(monkeypatch):
+    """Any hub download in these tests is a bug: the loader raises, as it does offline."""
+    import datasets
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'nyu-mll/glue' on the Hub (LocalEntryNotFoundError)")
+    monkeypatch.setattr(A, "_hub_reachable", lambda *a, **k: True)  # so the loader itself is what fails
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+
+
+def test_run_analysis_five_models_writes_json_and_plots(tok, tmp_path, monkeypatch, capsys):
+    no_hub(monkeypatch)
+    names = ["mlm", "taco", "tacl", "coco_lm_small_with_a_long_run_name", "electra"]
+    models = [save_model(tiny_bert(tok.get_vocab_size(), seed), tok, tmp_path / name) for seed, name in enumerate(names)]
     text = tmp_path / "held_out.txt"
     text.write_text("\r\n".join([" = Heading = "] + make_text(60, seed=9)) + "\r\n")
     out = tmp_path / "analysis"
     args = SimpleNamespace(model=models, out=str(out), text=str(text), num_sentences=80,
-                           analysis_data=fake_data_dir(tmp_path / "data"))
+                           glue_dir=fake_glue_dir(tmp_path / "glue"))
     results = A.run_analysis(args)
     for name in ("analysis.json", "analysis_contextual.png", "analysis_self_similarity.png", "analysis_heatmap.png",
                  "analysis_sentence_similarity.png", "analysis_word_similarity.png"):
         assert (out / name).stat().st_size > 0, name
+    assert not [p for p in os.listdir(out) if ".tmp" in p]  # written atomically
     saved = json.loads((out / "analysis.json").read_text())
-    assert list(saved["models"]) == ["mlm", "taco"] == list(results["models"])
+    assert list(saved["models"]) == names == list(results["models"])
     r = saved["models"]["mlm"]
     assert r["num_sentences"] == 80
     assert len(r["self_similarity_per_layer"]) == 3  # embeddings + 2 layers
-    assert r["wordsim353"]["pairs"] == 7 and r["simlex999"]["pairs"] == 4
-    assert r["sentence_similarity"]["num_similar_pairs"] == 10
+    assert r["wordsim353"]["pairs"] == 353 and r["simlex999"]["pairs"] == 999  # the embedded assets
+    assert len(r["wordsim353"]["cooc_pairs"]) <= 20 and r["wordsim353"]["cooc_cos"] is not None
+    s = r["sentence_similarity"]
+    assert s["num_similar_pairs"] == 10 and s["num_random_pairs"] == A.RANDOM_SENTENCE_PAIRS
+    assert s["cls_gap"] == pytest.approx(s["cls_similar"] - s["cls_random"])
     assert -1 <= r["contextual"]["contextual"] <= 2 and r["contextual"]["l1_ratio"] > 0
+    assert set(A.TABLE9_MEASURES) == {"l1", "l2", "l10", "cos", "dot"}
+    assert all(f"{m}_ratio" in r["contextual"] for m in A.TABLE9_MEASURES)
+    printed = capsys.readouterr().out
+    assert "intra/inter L10 distance" in printed and "STS-B skipped" not in printed  # full names, not abbreviations
 
 
-def test_run_analysis_without_data_files(tok, tmp_path):
+def test_stsb_offline_is_one_line_and_the_rest_completes(tok, tmp_path, monkeypatch, capsys):
+    no_hub(monkeypatch)
     model = save_model(tiny_bert(tok.get_vocab_size()), tok, tmp_path / "run")
     text = tmp_path / "t.txt"
     text.write_text("\n".join(make_text(10)))
-    results = A.run_analysis(SimpleNamespace(model=[model], out=None, text=str(text), analysis_data=str(tmp_path / "none")))
+    results = A.run_analysis(SimpleNamespace(model=[model], out=None, text=str(text)))
+    lines = [l for l in capsys.readouterr().out.splitlines() if "skipped" in l]
+    assert len(lines) == 1 and "ConnectionError" in lines[0], lines
     r = results["models"]["run"]
-    assert r["wordsim353"] is None and r["simlex999"] is None and r["sentence_similarity"] is None
-    assert (tmp_path / "run" / "analysis_word_similarity.png").stat().st_size > 0  # default out = the run dir
+    s = r["sentence_similarity"]
+    assert s["cls_gap"] is None and s["mean_gap"] is None and s["num_random_pairs"] > 0  # random pairs still there
+    assert r["wordsim353"]["pairs"] == 353 and r["contextual"]["cos_ratio"] is not None
+    assert (tmp_path / "run" / "analysis_sentence_similarity.png").stat().st_size > 0  # default out = the run dir
+    # no network at all: a quick probe, the loader is never called
+    monkeypatch.setattr(A, "_hub_reachable", lambda *a, **k: False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    with pytest.raises(ValueError, match="unreachable"):
+        A.read_stsb(None)
+    with pytest.raises(ValueError, match="no STS-B/dev.tsv"):
+        A.read_stsb(str(tmp_path))
+
+
+def test_read_stsb_tsv(tmp_path):
+    rows = A.read_stsb(fake_glue_dir(tmp_path))
+    assert len(rows) == 30 and sum(score == 5.0 for _, _, score in rows) == 10
+    assert rows[0][1] == rows[0][0].lower()
 
 
 def write_log(path, seed, resumed=False):
@@ -359,8 +446,10 @@ def test_cli_plot_log_and_analysis(tok, tmp_path):
     out = tmp_path / "cli"
     subprocess.run([sys.executable, os.path.join(HERE, "eval.py"), "--analysis", "--model", model,
                     "--plot_log", a, "--out", str(out), "--text", str(text), "--num_sentences", "20",
-                    "--analysis_data", str(tmp_path / "none")], check=True, cwd=HERE, capture_output=True)
+                    "--glue_dir", fake_glue_dir(tmp_path / "glue")], check=True, cwd=HERE, capture_output=True)
     assert (out / "training_curves.png").stat().st_size > 0 and (out / "analysis_contextual.png").stat().st_size > 0
+    saved = json.loads((out / "analysis.json").read_text())
+    assert saved["models"]["mlm"]["sentence_similarity"]["num_similar_pairs"] == 10  # --glue_dir reached it
 
 
 def test_held_out_text_falls_back_to_the_run_validation_split(tok, tmp_path, monkeypatch):
@@ -369,11 +458,31 @@ def test_held_out_text_falls_back_to_the_run_validation_split(tok, tmp_path, mon
     run = save_model(tiny_bert(tok.get_vocab_size()), tok, tmp_path / "run")
     config = dict(data=str(corpus), cache_dir=str(tmp_path / "cache"), tokenizer="", vocab_size=300, val_fraction=0.2)
     (tmp_path / "run" / "log.jsonl").write_text(json.dumps({"config": config}) + "\n")
-    monkeypatch.setattr(A, "ANALYSIS_DATA", str(tmp_path / "no_shared_data"))
+    monkeypatch.setattr(A.data, "SAMPLE_CORPUS", str(tmp_path / "no_sample.raw.xz"), raising=False)
     documents, source = A.held_out_documents(None, run)
     assert source.endswith("validation split") and len(A.load_sentences(documents, 1000)) > 5
     with pytest.raises(ValueError, match="--text"):
-        A.held_out_documents(None, str(tmp_path))  # no log.jsonl: a clear error
+        A.held_out_documents(None, str(tmp_path))  # no log.jsonl, no sample corpus: a clear error
+
+
+def test_held_out_text_falls_back_to_the_sample_corpus(tmp_path, monkeypatch):
+    import lzma
+    sample = tmp_path / "sample.raw.xz"
+    with lzma.open(sample, "wt", encoding="utf-8") as f:
+        f.write("\r\n".join([" = Heading = "] + make_text(30, seed=2)) + "\r\n")
+    monkeypatch.setattr(A.data, "SAMPLE_CORPUS", str(sample), raising=False)
+    documents, source = A.held_out_documents(None, str(tmp_path))  # a directory without log.jsonl (HF export)
+    assert "sample corpus" in source and documents[1] == make_text(30, seed=2)[0]
+    assert not any(s.startswith("=") for s in A.load_sentences(documents, 1000))
+
+
+def test_shipped_sample_corpus():
+    path = getattr(A.data, "SAMPLE_CORPUS", None)
+    if not path or not os.path.isfile(path):
+        pytest.skip("data.SAMPLE_CORPUS not defined or not shipped yet")
+    assert not os.path.relpath(path, HERE).startswith("..")
+    sentences = A.load_sentences(A.read_lines(path), num_sentences=10 ** 6)
+    assert len(sentences) > 5000 and not any(s.startswith("= ") and s.endswith(" =") for s in sentences)
 
 
 # ----------------------------------------------------------------------------------
@@ -381,22 +490,18 @@ def test_held_out_text_falls_back_to_the_run_validation_split(tok, tmp_path, mon
 
 
 def shared(rel):
-    path = os.path.join(A.ANALYSIS_DATA, rel)
+    path = os.path.join(HERE, "..", "shared", "data", rel)
     if not os.path.exists(path):
         pytest.skip(f"{path} not present")
     return path
 
 
-def test_real_word_similarity_files():
-    ws = A.read_word_pairs(shared("wordsim353/combined.csv"))
-    assert len(ws) == 353 and ws[0] == ("love", "sex", 6.77)
-    sl = A.read_word_pairs(shared("simlex999/simlex999.txt"))
-    assert len(sl) == 999 and sl[0] == ("old", "new", 1.58)
+def test_embedded_assets_equal_the_shared_copies():
+    for rel, embedded in (("wordsim353/combined.csv", A.WORDSIM353), ("simlex999/simlex999.txt", A.SIMLEX999)):
+        with open(shared(rel), "rb") as f, open(embedded, "rb") as g:
+            assert f.read() == g.read(), rel
 
 
-def test_real_stsb_and_held_out_text():
-    rows = A.read_stsb(shared("glue/STS-B"))
-    assert len(rows) == 5749 + 1500 and sum(score == 5.0 for _, _, score in rows) == 322
-    with open(shared(A.HELD_OUT_TEXT), encoding="utf-8") as f:
-        sentences = A.load_sentences(f.read().splitlines(), num_sentences=10 ** 6)
-    assert len(sentences) > 5000 and not any(s.startswith("= ") and s.endswith(" =") for s in sentences)
+def test_real_stsb_dev():
+    rows = A.read_stsb(shared("glue"))
+    assert len(rows) == 1500 and sum(score == 5.0 for _, _, score in rows) == 56
