@@ -1,25 +1,51 @@
 """
-Time pretraining steps: tokens/s, MFU and peak memory for each objective and model size,
-after warm-up and compile, on random token blocks. Data loading is excluded unless --loader
-(then batches come through data.BlockLoader: pinned memory, asynchronous copy).
+Time pretraining steps: tokens/s, step time, MFU and peak memory for each objective and model
+size, after warm-up and compile, on random token blocks, next to Hugging Face's BertForMaskedLM
+at the same config in the same process (GPU numbers are only comparable within one run).
 
-    python bench.py --model_size small --batch_size 256 --seq_len 128 --objectives mlm,taco --json out/bench.json
-    python bench.py --model_size tiny --device cpu --batch_size 8 --steps 5     # runs anywhere (the test does this)
+    python bench.py --model_size small,base --objectives all --hf --json out/bench.json   # the README's table
+    python bench.py --model_size small --objectives mlm --profile --out_dir out/profile      # where a step's time goes
+    python bench.py --model_size tiny --device cpu --batch_size 8 --seq_len 128 --steps 3 --hf   # runs anywhere
 
-Compare with Hugging Face BertForMaskedLM in the same process group with
-../shared/bench/hf_baseline.py: GPU numbers are only comparable within one run.
+Every step is a full training step: forward, backward, grad-norm clip at 1.0, fused AdamW on CUDA
+(train.configure_optimizer), bf16 autocast on CUDA and fp32 on CPU, dropout --dropout (0.1, BERT's
+and Hugging Face's default). Data loading is excluded unless --loader (then batches come through
+data.BlockLoader: pinned memory, asynchronous copy).
+
+--hf times transformers.BertForMaskedLM built from model.config_to_hf (same hidden size, layers,
+heads, FFN, vocabulary, dropout; sequence length, batch, dtype, optimizer and clip as ours), the way
+Hugging Face users train it: labels with -100 on the unselected positions, 15% of the non-special
+tokens selected by a Bernoulli draw (DataCollatorForLanguageModeling's 80/10/10), and the head
+computing full-vocabulary logits at every position (Hugging Face's behaviour; ours runs the head on
+the selected positions only). Differences, each in Hugging Face's favour or neutral:
+- its masking is done before the timed steps (the collator runs in DataLoader workers); ours runs
+  inside the timed step, on the device;
+- no attention_mask is passed to either: packed blocks have no padding (an all-ones mask would
+  keep Hugging Face off SDPA's flash kernel once compiled);
+- --compile 1 compiles our encoder only (train.py's choice) but Hugging Face's whole model, loss
+  included (what Trainer's torch_compile does); --compile 0 runs both eagerly.
+MFU counts the same model FLOPs for both (objective_flops_per_token("mlm"): the MLM head on the
+selected 15% only), so the MFU ratio equals the tokens/s ratio. "vs mlm" is the step time relative
+to our MLM step at the same size. transformers is needed for --hf only.
+
+--profile runs torch.profiler over --profile_steps more steps of each timed run and prints the
+top kernels (GPU time) and ops (self CUDA time on GPU, self CPU time on CPU), then writes a
+chrome trace (chrome://tracing, ui.perfetto.dev) per run into --out_dir.
 """
 import argparse
+import gc
 import json
+import os
 import platform
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import replace
 
 import torch
 
-from losses import LOSSES
-from model import Bert, BertConfig, MODEL_PRESETS
+from losses import LOSSES, eligible_positions
+from model import Bert, BertConfig, MODEL_PRESETS, config_to_hf
 from train import TrainConfig, Pretrainer, configure_optimizer, gpu_peak_flops
 
 
@@ -53,30 +79,42 @@ def objective_flops_per_token(objective, config, cfg, seq_len):
     raise ValueError(f"unknown objective {objective!r}")
 
 
-def random_blocks(batch_size, seq_len, config, device):
+def random_blocks(batch_size, seq_len, config, device, gen=None):
     # packed [CLS] ... [SEP] blocks of ordinary tokens, like data.BlockLoader's
-    ids = torch.randint(config.mask_token_id + 1, config.vocab_size, (batch_size, seq_len), device=device)
+    ids = torch.randint(config.mask_token_id + 1, config.vocab_size, (batch_size, seq_len), device=device,
+                        generator=gen)
     ids[:, 0], ids[:, -1] = config.cls_token_id, config.sep_token_id
     return ids
 
 
-def bench(objective, args, device):
+def hf_mlm_batch(input_ids, config, gen, mask_prob=0.15):
+    """Hugging Face's DataCollatorForLanguageModeling masking: each non-special token is selected
+    with probability mask_prob (Bernoulli, so the count varies by row); of the selected, 80% become
+    [MASK], 10% a random id from the whole vocabulary, 10% stay. labels: -100 where not selected."""
+    probs = eligible_positions(input_ids, config).float() * mask_prob  # special tokens are never selected
+    selected = torch.bernoulli(probs, generator=gen).bool()
+    labels = input_ids.masked_fill(~selected, -100)
+    draw = torch.rand(input_ids.shape, generator=gen, device=input_ids.device)
+    inputs = input_ids.masked_fill(selected & (draw < 0.8), config.mask_token_id)
+    random_ids = torch.randint(config.vocab_size, input_ids.shape, generator=gen, device=input_ids.device)
+    inputs = torch.where(selected & (draw >= 0.8) & (draw < 0.9), random_ids, inputs)
+    return dict(input_ids=inputs, labels=labels)
+
+
+def build_ours(objective, config, args, device, autocast):
+    """(train_step(i) -> None, trained params) for our model and objective."""
     cfg = replace(TrainConfig(), objective=objective, seq_len=args.seq_len, batch_size=args.batch_size,
                   init_from="random weights", dropout=args.dropout, taco_negatives=args.taco_negatives)
-    config = BertConfig(**MODEL_PRESETS[args.model_size], dropout=args.dropout)
     model = Bert(config).to(device)
     loss_fn = LOSSES[objective](model, cfg).to(device)
     params = list(model.parameters()) + [p for p in loss_fn.parameters() if p.requires_grad]
-    opt = configure_optimizer(params, cfg, device.type)
-    compiled = args.compile if device.type == "cuda" else 0
-    if compiled == 1:  # the encoder only; sampling, heads and losses run eagerly
+    if args.compile == 1:  # the encoder only; sampling, heads and losses run eagerly
         trainer = Pretrainer(torch.compile(model, dynamic=False), loss_fn)
     else:  # 2: the whole step (graph breaks at each seeded random draw), or 0: eager
         trainer = Pretrainer(model, loss_fn)
-        trainer = torch.compile(trainer, dynamic=False) if compiled == 2 else trainer
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+        trainer = torch.compile(trainer, dynamic=False) if args.compile == 2 else trainer
     gen = torch.Generator(device).manual_seed(0)
-    batches = [{"input_ids": random_blocks(args.batch_size, args.seq_len, config, device)} for _ in range(4)]
+    batches = [{"input_ids": random_blocks(args.batch_size, args.seq_len, config, device, gen)} for _ in range(4)]
     if args.loader:
         import numpy as np
         import data
@@ -85,73 +123,251 @@ def bench(objective, args, device):
         loader = data.BlockLoader(stream, args.seq_len, args.batch_size, config.cls_token_id, config.sep_token_id,
                                   device=device)
 
-    def step(i):
+    def loss_at(i):
         batch = {"input_ids": loader.next_batch()} if args.loader else batches[i % len(batches)]
         with autocast:
-            loss, _ = trainer(batch, gen)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+            return trainer(batch, gen)[0]
+    return training_step(loss_at, params, cfg, device), params
 
-    for i in range(args.warmup):  # compile and autotune happen here
-        step(i)
+
+def build_hf(config, args, device, autocast):
+    """The same, for transformers.BertForMaskedLM at our config (see the module docstring)."""
+    import transformers  # main() checked it is installed
+    hf_config = transformers.BertConfig(**config_to_hf(config), attn_implementation="sdpa")
+    model = transformers.BertForMaskedLM(hf_config).to(device)
+    params = list(model.parameters())  # the tied decoder weight appears once
+    compiled = torch.compile(model, dynamic=False) if args.compile else model
+    gen = torch.Generator(device).manual_seed(0)
+    batches = [hf_mlm_batch(random_blocks(args.batch_size, args.seq_len, config, device, gen), config, gen)
+               for _ in range(4)]
+
+    def loss_at(i):
+        with autocast:
+            return compiled(**batches[i % len(batches)]).loss
+    return training_step(loss_at, params, TrainConfig(), device), params
+
+
+def training_step(loss_at, params, cfg, device):
+    optimizer = configure_optimizer(params, cfg, device.type)
+
+    def step(i):
+        loss_at(i).backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return step
+
+
+def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
+
+
+def time_steps(step, args, device):
+    """(ms per step, peak GB or None) over args.steps steps after args.warmup untimed ones."""
+    for i in range(args.warmup):  # compile happens here
+        step(i)
+    sync(device)
+    if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t = time.perf_counter()
     for i in range(args.steps):
         step(i)
+    sync(device)
+    step_ms = (time.perf_counter() - t) / args.steps * 1e3
+    return step_ms, torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else None
+
+
+def top_events(events, self_time, n, steps):
+    """The n events with the largest self time (microseconds, from self_time(event)), as rows of
+    name, ms per step, share of the summed self time, calls per step."""
+    total = sum(self_time(e) for e in events) or 1
+    ranked = sorted(events, key=self_time, reverse=True)[:n]
+    return [dict(name=e.key, ms_per_step=self_time(e) / steps / 1e3, share=self_time(e) / total,
+                 calls_per_step=e.count / steps) for e in ranked if self_time(e) > 0]
+
+
+def print_profile_table(title, rows):
+    print(f"  {title}")
+    print(f"    {'self ms/step':>12} {'share':>6} {'calls':>6}  name")
+    for r in rows:
+        print(f"    {r['ms_per_step']:12.3f} {r['share']:6.1%} {r['calls_per_step']:6.0f}  {r['name'][:90]}")
+
+
+def profile_steps(step, args, device, label):
+    """Profile args.profile_steps steps (after time_steps' warm-up), print where their time goes,
+    write a chrome trace. Returns the tables as lists of rows."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    steps = args.profile_steps
+    with profile(activities=activities) as prof:
+        t = time.perf_counter()
+        for i in range(steps):
+            step(i)
+        sync(device)
+        wall_ms = (time.perf_counter() - t) / steps * 1e3
+    events = prof.key_averages()
+    result = dict(label=label, wall_ms_per_step=wall_ms)
+    print(f"profile {label}: {steps} steps, {wall_ms:.1f} ms/step under the profiler")
     if device.type == "cuda":
-        torch.cuda.synchronize()
-    dt = (time.perf_counter() - t) / args.steps
-    tokens_per_s = args.batch_size * args.seq_len / dt
-    flops = objective_flops_per_token(objective, config, cfg, args.seq_len)
-    peak = gpu_peak_flops(device) if device.type == "cuda" else None
-    return dict(objective=objective, model_size=args.model_size, batch=args.batch_size, seq=args.seq_len,
-                compile=compiled, dropout=args.dropout, step_ms=dt * 1e3, tokens_per_s=tokens_per_s,
-                model_tflops=tokens_per_s * flops / 1e12, mfu=tokens_per_s * flops / peak if peak else None,
-                peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else None)
+        kernels = [e for e in events if e.device_type != DeviceType.CPU]
+        ops = [e for e in events if e.device_type == DeviceType.CPU]
+        busy_ms = sum(e.self_device_time_total for e in kernels) / steps / 1e3
+        print(f"  GPU kernels busy {busy_ms:.1f} ms/step = {busy_ms / wall_ms:.0%} of the step (the rest: launch and "
+              f"host overhead, syncs)")
+        result["gpu_busy_ms_per_step"] = busy_ms
+        result["kernels"] = top_events(kernels, lambda e: e.self_device_time_total, args.profile_top, steps)
+        result["ops"] = top_events(ops, lambda e: e.self_device_time_total, args.profile_top, steps)
+        print_profile_table("top kernels by GPU time", result["kernels"])
+        print_profile_table("top ops by self CUDA time (the kernels they launch directly)", result["ops"])
+    else:
+        result["ops"] = top_events(list(events), lambda e: e.self_cpu_time_total, args.profile_top, steps)
+        print_profile_table("top ops by self CPU time", result["ops"])
+    os.makedirs(args.out_dir, exist_ok=True)
+    path = os.path.join(args.out_dir, f"trace_{label.replace(' ', '_')}.json.gz")
+    prof.export_chrome_trace(path[:-len(".json.gz")] + ".tmp.json.gz")  # .gz: written gzipped
+    os.replace(path[:-len(".json.gz")] + ".tmp.json.gz", path)
+    print(f"  chrome trace: {path}", flush=True)
+    result["trace"] = path
+    return result
+
+
+def bench(name, size, args, device):
+    """Build and time one run: name is an objective or "hf-mlm". Returns (result, its train step)."""
+    torch._dynamo.reset()  # a fresh compile cache per run: no stale graphs, no recompile limit across runs
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    torch.manual_seed(0)
+    config = BertConfig(**MODEL_PRESETS[size], dropout=args.dropout)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    if name == "hf-mlm":
+        step, params = build_hf(config, args, device, autocast)
+    else:
+        step, params = build_ours(name, config, args, device, autocast)
+    step_ms, peak_gb = time_steps(step, args, device)
+    tokens_per_s = args.batch_size * args.seq_len / (step_ms / 1e3)
+    flops = objective_flops_per_token("mlm" if name == "hf-mlm" else name, config, TrainConfig(), args.seq_len)
+    peak_flops = gpu_peak_flops(device) if device.type == "cuda" else None
+    r = dict(model_size=size, objective=name, params_m=sum(p.numel() for p in params) / 1e6, batch=args.batch_size,
+             seq=args.seq_len, compile=args.compile, dropout=args.dropout,
+             dtype="bf16 autocast" if device.type == "cuda" else "fp32", step_ms=step_ms, tokens_per_s=tokens_per_s,
+             model_tflops=tokens_per_s * flops / 1e12, mfu=tokens_per_s * flops / peak_flops if peak_flops else None,
+             peak_mem_gb=peak_gb)
+    return r, step
+
+
+HEADER = f"{'size':6} {'objective':9} {'params':>7} {'tokens/s':>10} {'step ms':>9} {'vs mlm':>7} {'MFU':>6} {'peak GB':>8}"
+
+
+def table_row(r):
+    vs = f"{r['vs_mlm']:.2f}x" if r["vs_mlm"] else "-"
+    mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
+    mem = f"{r['peak_mem_gb']:.2f}" if r["peak_mem_gb"] is not None else "-"
+    return (f"{r['model_size']:6} {r['objective']:9} {r['params_m']:6.1f}M {r['tokens_per_s']:10,.0f} "
+            f"{r['step_ms']:9.1f} {vs:>7} {mfu:>6} {mem:>8}")
+
+
+def hf_ratio(ours, hf):
+    """Our MLM against Hugging Face's, measured in the same run."""
+    ratio = dict(model_size=ours["model_size"], tokens_per_s_ratio=ours["tokens_per_s"] / hf["tokens_per_s"])
+    mem = ""
+    if ours["peak_mem_gb"] is not None:
+        ratio["peak_mem_ratio"] = ours["peak_mem_gb"] / hf["peak_mem_gb"]
+        mem = f", {ratio['peak_mem_ratio']:.2f}x its peak memory ({ours['peak_mem_gb']:.2f} vs {hf['peak_mem_gb']:.2f} GB)"
+    ratio["line"] = (f"{ours['model_size']}: our MLM runs {ratio['tokens_per_s_ratio']:.2f}x Hugging Face's tokens/s "
+                     f"({ours['tokens_per_s']:,.0f} vs {hf['tokens_per_s']:,.0f}){mem}")
+    return ratio
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line on stderr and exit 2, as train.py and eval.py
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--objectives", default="mlm,taco,tacl,cocolm,electra", help="comma list of losses.LOSSES keys")
-    p.add_argument("--model_size", default="small", choices=list(MODEL_PRESETS))
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--objectives", default="all", help=f"comma list of {', '.join(LOSSES)}, or all")
+    p.add_argument("--model_size", default="small", help=f"comma list of {', '.join(MODEL_PRESETS)}")
+    p.add_argument("--hf", action="store_true", help="also time transformers.BertForMaskedLM at each size")
     p.add_argument("--batch_size", type=int, default=256)
     p.add_argument("--seq_len", type=int, default=128)
     p.add_argument("--taco_negatives", type=int, default=50)
     p.add_argument("--steps", type=int, default=30, help="timed steps")
-    p.add_argument("--warmup", type=int, default=8, help="untimed steps first (compile, autotune)")
-    p.add_argument("--dropout", type=float, default=0.1,
-                   help="0.1: the small/base presets' and Hugging Face's default (the README's H100 table used 0)")
+    p.add_argument("--warmup", type=int, default=8, help="untimed steps first (compile happens here)")
+    p.add_argument("--dropout", type=float, default=0.1, help="0.1: BERT's, the presets' and Hugging Face's default")
     p.add_argument("--compile", type=int, default=1, choices=[0, 1, 2],
-                   help="on CUDA: 0 eager, 1 compile the encoder (train.py's choice), 2 compile the whole step")
+                   help="on CUDA (CPU runs stay eager): 0 eager, 1 compile the encoder (train.py's choice), "
+                        "2 compile the whole step")
     p.add_argument("--loader", action="store_true", help="include data loading (data.BlockLoader)")
     p.add_argument("--device", default="auto")
+    p.add_argument("--profile", action="store_true", help="profile each run after timing it (see above)")
+    p.add_argument("--profile_steps", type=int, default=3, help="steps under the profiler")
+    p.add_argument("--profile_top", type=int, default=12, help="rows per profile table")
+    p.add_argument("--out_dir", default="out/bench", help="--profile writes its chrome traces here")
     p.add_argument("--json", default="", help="write the results here")
     args = p.parse_args(argv)
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
-    torch.backends.cuda.matmul.allow_tf32 = True
-    info = dict(torch=torch.__version__, device=torch.cuda.get_device_name(device) if device.type == "cuda"
-                else platform.processor() or "cpu", threads=torch.get_num_threads())
-    print(json.dumps(info), flush=True)
-    results = []
-    for objective in args.objectives.split(","):
+
+    objectives = list(LOSSES) if args.objectives == "all" else args.objectives.split(",")
+    sizes = args.model_size.split(",")
+    for objective in objectives:
         if objective not in LOSSES:
-            p.error(f"unknown objective {objective!r} (choose from {', '.join(LOSSES)})")
-        r = bench(objective, args, device)
-        results.append(r)
-        mfu = f"  mfu {r['mfu']:.1%}" if r["mfu"] else ""
-        mem = f"  peak {r['peak_mem_gb']:.1f} GB" if r["peak_mem_gb"] else ""
-        print(f"{objective:8s} {args.model_size} b{args.batch_size} s{args.seq_len}: {r['step_ms']:8.1f} ms/step "
-              f"{r['tokens_per_s'] / 1e6:7.3f} M tok/s  x{r['step_ms'] / results[0]['step_ms']:.2f} of "
-              f"{results[0]['objective']}{mfu}{mem}", flush=True)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+            p.error(f"unknown objective {objective!r} (choose from {', '.join(LOSSES)}, or all)")
+    for size in sizes:
+        if size not in MODEL_PRESETS:
+            p.error(f"unknown model size {size!r} (choose from {', '.join(MODEL_PRESETS)})")
+    for name in ("batch_size", "seq_len", "steps", "profile_steps"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be at least 1")
+    if args.seq_len > BertConfig.max_position_embeddings:
+        p.error(f"--seq_len {args.seq_len} exceeds max_position_embeddings {BertConfig.max_position_embeddings}")
+    if args.hf:
+        try:
+            import transformers
+        except ImportError:
+            p.error("--hf needs the transformers package (pip install transformers)")
+    try:
+        device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    except RuntimeError as e:
+        p.error(f"--device {args.device}: {e}")
+    if device.type != "cuda":
+        args.compile = 0  # CPU runs stay eager, as in train.py
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+
+    info = dict(command="python bench.py " + " ".join(sys.argv[1:] if argv is None else argv), torch=torch.__version__,
+                transformers=transformers.__version__ if args.hf else None,
+                device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+                threads=torch.get_num_threads())
+    print(json.dumps(info), flush=True)
+    print(f"batch {args.batch_size} x seq {args.seq_len}, dropout {args.dropout}, compile {args.compile}, "
+          f"{'bf16 autocast' if device.type == 'cuda' else 'fp32'}, {args.warmup} warm-up + {args.steps} timed steps")
+    print(HEADER, flush=True)
+    results, ratios = [], []
+    for size in sizes:
+        mlm_ms = None
+        for name in objectives + (["hf-mlm"] if args.hf else []):
+            r, step = bench(name, size, args, device)
+            results.append(r)
+            mlm_ms = r["step_ms"] if name == "mlm" else mlm_ms
+            r["vs_mlm"] = r["step_ms"] / mlm_ms if mlm_ms else None
+            print(table_row(r), flush=True)
+            if args.profile:
+                r["profile"] = profile_steps(step, args, device, f"{size} {name}")
+            del step  # frees the model before the next run is built
+        ours = [r for r in results if r["model_size"] == size and r["objective"] == "mlm"]
+        if args.hf and ours:
+            ratios.append(hf_ratio(ours[0], results[-1]))
+            print(ratios[-1]["line"], flush=True)
+    if args.profile:  # the profiles interleaved the table: print it whole again
+        print("\n" + HEADER)
+        print("\n".join([table_row(r) for r in results] + [ratio["line"] for ratio in ratios]))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(info=info, results=results), f, indent=1)
+        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+        with open(args.json + ".tmp", "w") as f:
+            json.dump(dict(info=info, results=results, hf_ratios=ratios), f, indent=1)
+        os.replace(args.json + ".tmp", args.json)
     return results
 
 
