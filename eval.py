@@ -2,31 +2,40 @@
 GLUE fine-tuning and scoring of a pretrained checkpoint: a run directory of this project or a
 Hugging Face BERT directory (both load through model.Bert.from_pretrained).
 
-    python eval.py --model out/small --glue_dir ../shared/data/glue           # every task found there
-    python eval.py --model out/small --tasks rte,mrpc --seeds 1,2,3 --compare  # GLUE from the hub
+    python eval.py --model out/small --tasks rte,mrpc,stsb --seeds 1,2,3,4 --compare  # GLUE from the hub
+    python eval.py --model out/small --glue_dir glue_data   # the original TSVs (download_glue_data.py)
+    python eval.py --model out/small --glue_dir glue_data --predict   # + leaderboard files RTE.tsv ...
     python eval.py --analysis --model out/mlm out/taco     # representation plots (analysis.py)
     python eval.py --plot_log out/mlm/log.jsonl out/taco/log.jsonl --out out  # training curves
 
-GLUE writes glue.json (every metric, per seed, plus the config) and glue.md (the table) into --out
-(default: the model's directory); --analysis writes analysis.json and analysis_*.png there.
+GLUE writes glue.json (every metric of every run, each run's hyper-parameters, the config) and
+glue.md (the table) into --out (default: the model's directory); --predict adds one GLUE
+submission file per test set there, --save_model a fine-tuned Hugging Face directory per task
+under models/. --analysis writes analysis.json and analysis_*.png.
 
 Notable choices:
+- Protocol (--recipe paper, the default) as TACO's Appendix A: shared values from Table 6;
+  small models (hidden size < 768) fine-tune with Table 7's fixed per-task values once per seed;
+  base models run 6 combinations drawn per task from Table 8's grid (a fixed, seeded draw) and
+  report the mean of the runs. --recipe uniform: one recipe for every task (TACO's scripts).
+- Batches come in random order, as Hugging Face's run_glue (the papers' code); --group_by_length
+  batches similar lengths together, faster on a GPU (its effect on scores: README, GLUE).
 - Data: the original GLUE TSVs (--glue_dir) through a strict reader (quoting off, a bad row is a
   one-line error naming file and line), or the hub's nyu-mll/glue. A task without train or dev
   data is skipped and marked missing, never scored on nothing.
-- Batches are padded to their longest row and grouped by length (sorted within shuffled chunks
-  of 50 batches), so a GLUE epoch pays for little padding; bf16 autocast and fused AdamW on GPU.
-- Hyperparameters follow TACO's official fine-tuning scripts (see RECIPES); flags override them.
 - Scores are those after the last epoch (no best-epoch picking on dev); per-epoch dev scores are
   kept in glue.json.
 """
 import argparse
 import copy
+import itertools
 import json
+import logging
 import math
 import os
 import sys
 import time
+import zlib
 from dataclasses import dataclass, field
 
 import datasets
@@ -37,7 +46,7 @@ import torch.nn.functional as F
 
 import analysis
 from data import load_tokenizer
-from model import Bert
+from model import Bert, config_to_hf
 
 # ----------------------------------------------------------------------------------------------
 # Metrics (numpy, x100 as the papers report them)
@@ -114,7 +123,8 @@ class Task:
     labels: dict = None  # TSV label -> id, the hub's numbering; None = regression (STS-B)
     hub_text: tuple = ()  # the hub's column names for sentence A (and B)
     dev: dict = field(default_factory=lambda: {"": ("dev", "validation")})  # suffix -> (TSV stem, hub split)
-    header: tuple = None  # column names for a TSV without a header line (CoLA)
+    header: tuple = None  # column names for a train/dev TSV without a header line (CoLA)
+    test_index: str = "index"  # the test TSV's index column
 
     @property
     def num_labels(self):
@@ -129,7 +139,8 @@ TASKS = {t.name: t for t in [
     Task("sst2", "SST-2", "acc", ("sentence",), "label", BINARY, ("sentence",)),
     Task("mrpc", "MRPC", "f1_acc", ("#1 String", "#2 String"), "Quality", BINARY, ("sentence1", "sentence2")),
     Task("stsb", "STS-B", "corr", ("sentence1", "sentence2"), "score", None, ("sentence1", "sentence2")),
-    Task("qqp", "QQP", "f1_acc", ("question1", "question2"), "is_duplicate", BINARY, ("question1", "question2")),
+    Task("qqp", "QQP", "f1_acc", ("question1", "question2"), "is_duplicate", BINARY, ("question1", "question2"),
+         test_index="id"),
     Task("mnli", "MNLI", "acc", ("sentence1", "sentence2"), "gold_label",
          {"entailment": 0, "neutral": 1, "contradiction": 2}, ("premise", "hypothesis"),
          dev={"m": ("dev_matched", "validation_matched"), "mm": ("dev_mismatched", "validation_mismatched")}),
@@ -137,6 +148,22 @@ TASKS = {t.name: t for t in [
     Task("rte", "RTE", "acc", ("sentence1", "sentence2"), "label", NLI2, ("sentence1", "sentence2")),
     Task("wnli", "WNLI", "acc", ("sentence1", "sentence2"), "label", BINARY, ("sentence1", "sentence2")),
 ]}
+
+# GLUE leaderboard files (--predict): file stem -> (task whose model predicts it, test TSV under
+# --glue_dir, hub config, hub split). The diagnostic set AX is predicted by the MNLI model.
+SUBMISSIONS = {
+    "CoLA": ("cola", "CoLA/test.tsv", "cola", "test"),
+    "SST-2": ("sst2", "SST-2/test.tsv", "sst2", "test"),
+    "MRPC": ("mrpc", "MRPC/test.tsv", "mrpc", "test"),
+    "STS-B": ("stsb", "STS-B/test.tsv", "stsb", "test"),
+    "QQP": ("qqp", "QQP/test.tsv", "qqp", "test"),
+    "MNLI-m": ("mnli", "MNLI/test_matched.tsv", "mnli", "test_matched"),
+    "MNLI-mm": ("mnli", "MNLI/test_mismatched.tsv", "mnli", "test_mismatched"),
+    "QNLI": ("qnli", "QNLI/test.tsv", "qnli", "test"),
+    "RTE": ("rte", "RTE/test.tsv", "rte", "test"),
+    "WNLI": ("wnli", "WNLI/test.tsv", "wnli", "test"),
+    "AX": ("mnli", "diagnostic/diagnostic.tsv", "ax", "test"),
+}
 
 
 class TaskMissing(Exception):
@@ -148,32 +175,49 @@ def parse_tasks(spec):
     names = list(TASKS) if names in ([], ["all"]) else names
     unknown = [n for n in names if n not in TASKS]
     if unknown:
-        raise ValueError(f"unknown task {unknown[0]!r} (choose from {', '.join(TASKS)})")
-    return [TASKS[n] for n in names]
+        raise ValueError(f"--tasks {spec}: unknown task {unknown[0]!r} (choose from all, {', '.join(TASKS)})")
+    return [TASKS[n] for n in dict.fromkeys(names)]
 
 
-def read_tsv(path, task):
-    """One GLUE TSV as a Dataset(text_a[, text_b], label). Quoting is off: GLUE sentences hold bare
-    quotes. utf-8-sig drops MRPC's BOM. Every row must have the header's column count."""
+def parse_seeds(spec):
+    try:
+        seeds = [int(s) for s in spec.split(",") if s.strip()]
+    except ValueError:
+        seeds = []
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ValueError(f"--seeds {spec!r}: expected distinct comma-separated integers, e.g. 1,2,3")
+    return seeds
+
+
+def read_tsv(path, task, test=False):
+    """One GLUE TSV as a Dataset(text_a[, text_b], label); a test TSV (no labels) as
+    Dataset(text_a[, text_b], index). Quoting is off: GLUE sentences hold bare quotes. utf-8-sig
+    drops MRPC's BOM. Every row must have the header's column count."""
     with open(path, encoding="utf-8-sig", newline="\n") as f:
         lines = [line.rstrip("\n").rstrip("\r") for line in f]
-    header, first = (task.header, 0) if task.header else (lines[0].split("\t") if lines else [], 1)
+    if task.header and not test:  # CoLA's train/dev have no header line, its test file has one
+        header, first = task.header, 0
+    else:
+        header, first = (lines[0].split("\t") if lines else []), 1
     col = {name: i for i, name in enumerate(header)}
-    lacking = [c for c in task.tsv_text + (task.tsv_label,) if c not in col]
+    target = task.test_index if test else task.tsv_label
+    lacking = [c for c in task.tsv_text + (target,) if c not in col]
     if lacking:
         raise ValueError(f"{path}: no column {lacking[0]!r} in the header {header}")
-    rows = {"text_a": [], "text_b": [], "label": []}
+    rows = {"text_a": [], "text_b": [], "index" if test else "label": []}
     for lineno, line in enumerate(lines[first:], first + 1):
         cells = line.split("\t")
         if len(cells) != len(header):
             raise ValueError(f"{path}:{lineno}: expected {len(header)} tab-separated columns, got {len(cells)}")
-        raw = cells[col[task.tsv_label]]
-        try:
-            label = float(raw) if task.labels is None else task.labels[raw]
-        except (KeyError, ValueError):
-            expected = "a number" if task.labels is None else "/".join(task.labels)
-            raise ValueError(f"{path}:{lineno}: bad label {raw!r} (expected {expected})") from None
-        rows["label"].append(label)
+        raw = cells[col[target]]
+        if test:
+            rows["index"].append(raw)
+        else:
+            try:
+                rows["label"].append(float(raw) if task.labels is None else task.labels[raw])
+            except (KeyError, ValueError):
+                expected = "a number" if task.labels is None else "/".join(task.labels)
+                raise ValueError(f"{path}:{lineno}: bad label {raw!r} (expected {expected})") from None
         for key, name in zip(("text_a", "text_b"), task.tsv_text):
             rows[key].append(cells[col[name]])
     if len(task.tsv_text) == 1:
@@ -181,8 +225,27 @@ def read_tsv(path, task):
     return datasets.Dataset.from_dict(rows)
 
 
-def load_task(task, glue_dir=None):
-    """{"train": Dataset, "dev": {suffix: Dataset}} from the GLUE TSVs in glue_dir, else from the hub."""
+def load_hub(config):
+    """All splits of nyu-mll/glue's `config`. Failing to reach the hub is one line with the way out."""
+    hub_log = logging.getLogger("huggingface_hub")
+    level = hub_log.level
+    hub_log.setLevel(logging.ERROR)  # its retry warnings, one per attempt, would bury the error line
+    try:
+        return datasets.load_dataset("nyu-mll/glue", config)
+    except Exception as e:  # offline (ConnectionError), or a broken cache: every task would fail alike
+        reason = (str(e).splitlines() or [""])[0][:160]
+        raise ValueError(f"GLUE from the hub (nyu-mll/glue, {config}) is not reachable ({type(e).__name__}: "
+                         f"{reason}); without internet, download the GLUE data (download_glue_data.py) and "
+                         "pass --glue_dir DIR, the folder holding CoLA/, SST-2/, ...") from None
+    finally:
+        hub_log.setLevel(level)
+
+
+def load_task(task, glue_dir=None, test=False):
+    """{"train": Dataset, "dev": {suffix: Dataset}} from the GLUE TSVs in glue_dir, else from the hub.
+    test=True adds "test": {submission stem: Dataset(text_a[, text_b], index), or a str saying why
+    that test set is absent}."""
+    tests = {stem: spec[1:] for stem, spec in SUBMISSIONS.items() if spec[0] == task.name} if test else {}
     if glue_dir:
         files = {"train": "train", **{suffix: stem for suffix, (stem, _) in task.dev.items()}}
         paths = {k: os.path.join(glue_dir, task.dir, stem + ".tsv") for k, stem in files.items()}
@@ -190,18 +253,43 @@ def load_task(task, glue_dir=None):
         if absent:
             raise TaskMissing(f"no {', '.join(absent)} in {glue_dir}")
         splits = {k: read_tsv(p, task) for k, p in paths.items()}
+        test_sets = {}
+        for stem, (rel, _, _) in tests.items():
+            path = os.path.join(glue_dir, *rel.split("/"))
+            test_sets[stem] = read_tsv(path, task, test=True) if os.path.isfile(path) else f"no {rel} in {glue_dir}"
     else:  # needs internet (or the hub cache) and is never exercised by the tests
-        try:
-            hub = datasets.load_dataset("nyu-mll/glue", task.name)
-        except Exception as e:
-            raise TaskMissing(f"hub nyu-mll/glue/{task.name}: {type(e).__name__}: {str(e)[:200]}".splitlines()[0])
+        hub = {task.name: load_hub(task.name)}
         names = dict(zip(task.hub_text, ("text_a", "text_b")))
-        splits = {"train": hub["train"], **{suffix: hub[split] for suffix, (_, split) in task.dev.items()}}
+        splits = {"train": hub[task.name]["train"],
+                  **{suffix: hub[task.name][split] for suffix, (_, split) in task.dev.items()}}
         splits = {k: ds.select_columns([*names, "label"]).rename_columns(names) for k, ds in splits.items()}
+        test_sets = {}
+        for stem, (_, config, split) in tests.items():
+            if config not in hub:
+                hub[config] = load_hub(config)
+            ds = hub[config][split]
+            test_sets[stem] = ds.select_columns([*names, "idx"]).rename_columns({**names, "idx": "index"})
     empty = [k for k, ds in splits.items() if len(ds) == 0]
     if empty:
         raise TaskMissing(f"the {empty[0]} split has no rows")
-    return {"train": splits.pop("train"), "dev": splits}
+    return {"train": splits.pop("train"), "dev": splits, **({"test": test_sets} if test else {})}
+
+
+def write_atomic(path, text):
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+def write_submission(path, task, index, preds):
+    """A GLUE leaderboard file: header index<TAB>prediction, the test file's index and order, GLUE's
+    label names (entailment/..., 0/1) and STS-B scores clipped to [0, 5]."""
+    if task.labels is None:
+        values = [f"{min(5.0, max(0.0, float(p))):.3f}" for p in preds]
+    else:
+        names = {i: name for name, i in task.labels.items()}
+        values = [names[int(p)] for p in preds]
+    write_atomic(path, "index\tprediction\n" + "".join(f"{i}\t{v}\n" for i, v in zip(index, values)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -237,13 +325,20 @@ def encode_task(tok, ds, max_len, cls_id, sep_id, regression=False):
             row = [cls_id] + ids_a + [sep_id] + ids_b + [sep_id]
             seg.append(len(ids_a) + 2)
         ids.append(np.asarray(row, np.int32))
-    labels = np.asarray(ds["label"], np.float32 if regression else np.int64)
+    dtype = np.float32 if regression else np.int64
+    labels = np.asarray(ds["label"], dtype) if "label" in ds.column_names else np.zeros(len(ids), dtype)  # test
     return Encoded(ids, np.asarray(seg), np.asarray([len(r) for r in ids]), labels)
 
 
+def random_batches(n, batch_size, rng):
+    """The papers' batching (Hugging Face run_glue: a random permutation, cut into batches)."""
+    order = rng.permutation(n)
+    return [order[i:i + batch_size] for i in range(0, n, batch_size)]
+
+
 def length_grouped_batches(lengths, batch_size, rng, chunk_batches=50):
-    """Shuffle, sort by length within chunks of 50 batches, shuffle the batches: rows of a batch have
-    similar lengths (little padding) while the epoch order stays random."""
+    """--group_by_length: shuffle, sort by length within chunks of 50 batches, shuffle the batches.
+    Rows of a batch have similar lengths (little padding) while the epoch order stays random."""
     order, chunk, batches = rng.permutation(len(lengths)), batch_size * chunk_batches, []
     for start in range(0, len(order), chunk):
         part = order[start:start + chunk]
@@ -266,17 +361,77 @@ def collate(enc, idx, pad_id, device):
 
 
 # ----------------------------------------------------------------------------------------------
-# Model and fine-tuning
+# Recipes (TACO, Fu et al. ACL 2022, Appendix A)
 
-# Fine-tuning recipes from TACO's official scripts (FUZHIYI/TACO finetune_small.sh and
-# finetune_base.sh: lr, batch, epochs, 100 warmup steps, max_len 128; everything else is Hugging
-# Face run_glue/Trainer defaults: weight decay 0, AdamW eps 1e-8, grad clip 1.0, linear decay;
-# dropout 0.1 from Google's BERT configs). The same recipe serves every task. The paper's Table 7
-# could not be retrieved here: check these against it. warmup < 1 means a fraction of all steps.
-RECIPES = {
-    "small": dict(lr=5e-5, batch_size=32, epochs=4, warmup=100, max_len=128, weight_decay=0.0, dropout=0.1),
-    "base": dict(lr=3e-5, batch_size=32, epochs=6, warmup=100, max_len=128, weight_decay=0.0, dropout=0.1),
+# Table 6, shared by every task and both sizes; linear decay, max grad norm 1.0, Adam eps 1e-8 and
+# betas 0.9/0.999 are fixed in finetune(). fp32 as the paper (FP16 False); --precision bf16 is faster.
+SHARED = dict(max_len=128, dropout=0.1, weight_decay=0.0, precision="fp32")
+# Table 7: small models, one fixed recipe per task. WNLI, which the paper leaves out, gets RTE's.
+SMALL = {
+    **dict.fromkeys(("mnli", "qqp"), dict(lr=5e-5, batch_size=64, epochs=6, warmup=2000)),
+    **dict.fromkeys(("qnli", "sst2"), dict(lr=5e-5, batch_size=64, epochs=4, warmup=200)),
+    **dict.fromkeys(("cola", "stsb", "mrpc", "rte", "wnli"), dict(lr=5e-5, batch_size=32, epochs=4, warmup=100)),
 }
+# Table 8: base models draw NUM_COMBOS combinations per task from its grid and report the mean dev
+# score of those runs (WNLI, left out by the paper, gets RTE's grid).
+LRS = (1e-5, 2e-5, 3e-5, 5e-5)
+BASE_GRID = {
+    **dict.fromkeys(("mnli", "qqp"), dict(lr=LRS, batch_size=(32, 64, 128), epochs=(4, 6, 8), warmup=(1000, 2000))),
+    "qnli": dict(lr=LRS, batch_size=(32, 64), epochs=(4, 6), warmup=(100, 200, 1000)),
+    "sst2": dict(lr=LRS, batch_size=(16, 32, 64), epochs=(4, 6), warmup=(200,)),
+    **dict.fromkeys(("cola", "stsb", "mrpc"), dict(lr=LRS, batch_size=(16, 32, 64), epochs=(4, 6), warmup=(100,))),
+    **dict.fromkeys(("rte", "wnli"), dict(lr=LRS, batch_size=(16, 32, 64), epochs=(4, 6, 8), warmup=(100,))),
+}
+NUM_COMBOS = 6
+# --recipe uniform: one recipe for every task, from TACO's official scripts (FUZHIYI/TACO
+# finetune_small.sh, finetune_base.sh), bf16 on GPU as this file did before --recipe paper.
+UNIFORM = {"small": dict(lr=5e-5, batch_size=32, epochs=4, warmup=100),
+           "base": dict(lr=3e-5, batch_size=32, epochs=6, warmup=100)}
+HPARAMS = ("lr", "batch_size", "epochs", "warmup", "max_len", "dropout", "weight_decay", "precision")  # flags
+
+
+def sample_grid(grid, k, seed):
+    """k distinct combinations of the grid's values (all of them if the grid has fewer), drawn without
+    replacement by a generator seeded with `seed`: the same draw on every machine and run."""
+    combos = list(itertools.product(*grid.values()))
+    picks = np.random.default_rng(seed).choice(len(combos), size=min(k, len(combos)), replace=False)
+    return [dict(zip(grid, combos[i])) for i in picks]
+
+
+def recipe_runs(task, recipe, size, overrides=None, num_combos=NUM_COMBOS, grid_seed=0):
+    """The hyper-parameters of each fine-tuning run of `task` (each then runs once per seed).
+    paper + small: Table 7's one recipe; paper + base: num_combos draws from Table 8's grid, seeded
+    by (grid_seed, task name); uniform: UNIFORM[size]. Flags given (overrides) win in every run."""
+    if recipe == "uniform":
+        runs, shared = [dict(UNIFORM[size])], dict(SHARED, precision="bf16")
+    elif size == "small":
+        runs, shared = [dict(SMALL[task.name])], SHARED
+    else:
+        runs, shared = sample_grid(BASE_GRID[task.name], num_combos, [grid_seed, zlib.crc32(task.name.encode())]), SHARED
+    return [{**shared, **run, **(overrides or {})} for run in runs]
+
+
+def schedule_steps(hp, n_train, n_full, warmup_flag=False):
+    """(all optimizer steps, warm-up steps, a note or None). A recipe's warm-up is set in steps for the
+    full train set, so with --max_train_samples it shrinks in proportion to the rows kept (the schedule
+    keeps its shape: RTE 100 of 312 steps -> 8 of 28 on 200 rows); --warmup N is taken as given;
+    --warmup < 1 is a fraction of all steps. A warm-up still >= all steps (WNLI: 100 of 80) is cut to
+    10% of them, with a note."""
+    total = math.ceil(n_train / hp["batch_size"]) * hp["epochs"]
+    warmup, note = hp["warmup"], None
+    if warmup < 1:
+        warmup = round(warmup * total)
+    elif n_train < n_full and not warmup_flag:
+        warmup = max(1, round(warmup * n_train / n_full))
+    warmup = int(warmup)
+    if warmup >= total:
+        note = f"warm-up {warmup} >= all {total} steps, cut to {total // 10} (10%)"
+        warmup = total // 10
+    return total, warmup, note
+
+
+# ----------------------------------------------------------------------------------------------
+# Model and fine-tuning
 
 
 class GlueModel(nn.Module):
@@ -312,47 +467,48 @@ def set_dropout(module, p):
         module.config.dropout = p
 
 
-def forward(model, b):
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=b["input_ids"].is_cuda):  # bf16: no loss scaling
+def forward(model, b, bf16=False):
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16 and b["input_ids"].is_cuda):  # no loss scaling
         return model(b["input_ids"], b["attention_mask"], b["token_type_ids"]).float()
 
 
 @torch.no_grad()
-def predict(model, enc, pad_id, device, batch_size=128):
+def predict(model, enc, pad_id, device, batch_size=128, bf16=False):
     model.eval()
     order, preds = np.argsort(enc.lengths, kind="stable"), []  # length-sorted: little padding
     for start in range(0, len(order), batch_size):
         idx = order[start:start + batch_size]
-        logits = forward(model, collate(enc, idx, pad_id, device))
+        logits = forward(model, collate(enc, idx, pad_id, device), bf16)
         preds.append((logits.squeeze(-1) if logits.size(-1) == 1 else logits.argmax(-1)).cpu().numpy())
     out = np.empty(len(order), preds[0].dtype)
     out[order] = np.concatenate(preds)  # back to dataset order
     return out
 
 
-def finetune(base, task, data, hp, seed, device, pad_id, log=print):
-    """Fine-tune a copy of `base` on data["train"] (Encoded); return the dev scores after each epoch."""
+def finetune(base, task, data, hp, seed, device, pad_id, warmup, group_by_length=False, log=print):
+    """Fine-tune a copy of `base` on data["train"] (Encoded) for hp's epochs with `warmup` linear warm-up
+    steps, then linear decay to 0 (Table 6). Returns the model and the dev scores after each epoch
+    (with "collapsed": the dev predictions were one constant, so correlations are undefined)."""
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     model = GlueModel(copy.deepcopy(base), task.num_labels, hp["dropout"]).to(device)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]  # no decay on biases and LayerNorms
     rest = [p for n, p in model.named_parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([dict(params=decay, weight_decay=hp["weight_decay"]), dict(params=rest, weight_decay=0.0)],
-                            lr=hp["lr"], eps=1e-8, fused=device.type == "cuda")
-    train = data["train"]
+                            lr=hp["lr"], betas=(0.9, 0.999), eps=1e-8, fused=device.type == "cuda")
+    train, bf16 = data["train"], hp["precision"] == "bf16"
     total = math.ceil(len(train.lengths) / hp["batch_size"]) * hp["epochs"]
-    warmup = round(hp["warmup"] * total) if hp["warmup"] < 1 else int(hp["warmup"])
-    if warmup >= total:
-        log(f"warning: {warmup} warmup steps >= all {total} steps, so the learning rate never peaks (try --warmup 0.1)")
     schedule = lambda step: step / warmup if step < warmup else max(0.0, (total - step) / max(1, total - warmup))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     history = []
     for epoch in range(hp["epochs"]):
         model.train()
         losses = []
-        for idx in length_grouped_batches(train.lengths, hp["batch_size"], rng):
+        batches = (length_grouped_batches(train.lengths, hp["batch_size"], rng) if group_by_length
+                   else random_batches(len(train.lengths), hp["batch_size"], rng))
+        for idx in batches:
             b = collate(train, idx, pad_id, device)
-            logits = forward(model, b)
+            logits = forward(model, b, bf16)
             loss = (F.mse_loss(logits.squeeze(-1), b["labels"]) if task.labels is None
                     else F.cross_entropy(logits, b["labels"]))
             opt.zero_grad(set_to_none=True)
@@ -361,29 +517,61 @@ def finetune(base, task, data, hp, seed, device, pad_id, log=print):
             opt.step()
             sched.step()
             losses.append(loss.detach())
-        scores = {}
+        scores, collapsed = {}, False
         for suffix, dev in data["dev"].items():
-            got = score(task.metric, dev.labels, predict(model, dev, pad_id, device))
+            preds = predict(model, dev, pad_id, device, bf16=bf16)
+            collapsed |= bool(len(preds) > 1 and np.ptp(preds) == 0)
+            got = score(task.metric, dev.labels, preds)
             scores.update({f"{k}_{suffix}" if suffix else k: v for k, v in got.items()})
-        history.append(dict(epoch=epoch + 1, train_loss=torch.stack(losses).mean().item(), **scores))
+        history.append(dict(epoch=epoch + 1, train_loss=torch.stack(losses).mean().item(), scores=scores,
+                            collapsed=collapsed))
         log(f"  {task.name} seed {seed} epoch {epoch + 1}/{hp['epochs']}: train loss {history[-1]['train_loss']:.4f}, "
-            + ", ".join(f"{k} {v:.2f}" for k, v in scores.items()))
-    return history
+            + ", ".join(f"{k} {v:.2f}" for k, v in scores.items()) + (" (constant prediction)" if collapsed else ""))
+    return model, history
+
+
+def save_classifier(model, task, out_dir, tokenizer_dir):
+    """A fine-tuned model as a directory transformers' BertForSequenceClassification loads (safetensors),
+    tokenizer files copied; every file written atomically. The MLM head is left out: never fine-tuned."""
+    from safetensors.torch import save_file
+    state = {k: v for k, v in model.bert.hf_state_dict().items() if k.startswith("bert.")}
+    state.update({f"classifier.{k}": v.detach().cpu().contiguous() for k, v in model.classifier.state_dict().items()})
+    config = dict(config_to_hf(model.bert.config), architectures=["BertForSequenceClassification"],
+                  num_labels=task.num_labels, finetuning_task=task.name)
+    if task.labels is None:
+        config["problem_type"] = "regression"
+    else:
+        config["id2label"] = {str(i): name for name, i in task.labels.items()}
+        config["label2id"] = dict(task.labels)
+    os.makedirs(out_dir, exist_ok=True)
+    weights = os.path.join(out_dir, "model.safetensors")
+    save_file(state, weights + ".tmp", metadata={"format": "pt"})
+    os.replace(weights + ".tmp", weights)
+    write_atomic(os.path.join(out_dir, "config.json"), json.dumps(config, indent=2))
+    for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        src = os.path.join(tokenizer_dir, name)
+        if os.path.isfile(src):
+            with open(src, encoding="utf-8") as f:
+                write_atomic(os.path.join(out_dir, name), f.read())
 
 
 # ----------------------------------------------------------------------------------------------
 # Reporting
 
-# (column, [(task, metric)]) as in the papers' GLUE tables; every metric but WNLI's enters TACO's "Avg."
-COLUMNS = [("MNLI m/mm", [("mnli", "acc_m"), ("mnli", "acc_mm")]), ("QQP F1", [("qqp", "f1")]),
-           ("QNLI", [("qnli", "acc")]), ("SST-2", [("sst2", "acc")]), ("CoLA", [("cola", "mcc")]),
-           ("STS-B", [("stsb", "spearman")]), ("MRPC F1", [("mrpc", "f1")]), ("RTE", [("rte", "acc")]),
-           ("WNLI", [("wnli", "acc")])]
-AVG_KEYS = [key for _, keys in COLUMNS[:-1] for key in keys]
+# (column header, [(task, metric)]) in the papers' column order
+COLUMNS = [("MNLI-m/mm acc", [("mnli", "acc_m"), ("mnli", "acc_mm")]), ("QQP F1", [("qqp", "f1")]),
+           ("QNLI acc", [("qnli", "acc")]), ("SST-2 acc", [("sst2", "acc")]), ("CoLA MCC", [("cola", "mcc")]),
+           ("STS-B Spearman", [("stsb", "spearman")]), ("MRPC F1", [("mrpc", "f1")]), ("RTE acc", [("rte", "acc")]),
+           ("WNLI acc", [("wnli", "acc")])]
+# TACO's "Avg." of its small-model tables (Tab. 1): 9 numbers, WNLI left out. Its base-model table
+# (Tab. 3) prints one MNLI number (matched), so its Avg. is over 8.
+AVG9 = [key for _, keys in COLUMNS[:-1] for key in keys]
+AVG8 = [key for key in AVG9 if key != ("mnli", "acc_mm")]
+MAIN = {name: [k for _, keys in COLUMNS for t, k in keys if t == name] for name in TASKS}  # picks a task's best run
 
-# PAPER ROWS, not ours: dev-set scores printed in TACO (Fu et al., ACL 2022), copied from
-# shared/OBJECTIVES.md, in AVG_KEYS order, then the paper's Avg. Table 3 prints one MNLI number
-# for base models (its Avg. counts 8 numbers); it is shown as MNLI-m.
+# PAPER ROWS, not ours: dev-set scores printed in TACO (Fu et al., ACL 2022), in AVG9 order (None:
+# not printed), then the paper's Avg.; small rows: mean of 4 seeds at Table 7's values; base rows:
+# mean of 6 combinations drawn from Table 8's grid.
 PAPER_ROWS = [
     ("paper: BERT-small MLM, 250k (TACO Tab. 1)", (76.9, 77.4, 85.7, 86.2, 89.0, 28.8, 85.6, 85.9, 59.6), 75.0),
     ("paper: BERT-small TACO, 50k", (76.7, 76.8, 85.2, 85.0, 87.5, 31.3, 85.6, 87.1, 59.1), 74.9),
@@ -393,166 +581,319 @@ PAPER_ROWS = [
 ]
 
 
-def table_row(label, values, avg_cell):
-    cells = ["/".join(f"{values[k]:.1f}" for k in keys if values.get(k) is not None) or "–" for _, keys in COLUMNS]
-    return f"| {label} | " + " | ".join(cells) + f" | {avg_cell} |"
+def like_for_like(values, keys, present):
+    """Mean of values over the keys we scored, or None when there are none."""
+    same = [values[k] for k in keys if k in present and values.get(k) is not None]
+    return float(np.mean(same)) if same else None
+
+
+def table_row(label, values, avgs, marks=()):
+    cells = ["/".join(f"{values[k]:.1f}" + ("†" if k in marks else "") for k in keys if values.get(k) is not None)
+             or "–" for _, keys in COLUMNS]
+    return f"| {label} | " + " | ".join(cells + avgs) + " |"
 
 
 def glue_table(report, compare=False):
-    tasks, seeds = report["tasks"], report["seeds"]
+    tasks, n_runs = report["tasks"], report["runs_per_task"]
     ok = {name: r for name, r in tasks.items() if r["status"] == "ok"}
-    present = [k for k in AVG_KEYS if k[0] in ok]
-    lines = ["| model | " + " | ".join(c for c, _ in COLUMNS) + " | Avg |", "|---" * (len(COLUMNS) + 2) + "|"]
-    for stat in (["mean", "median"] if len(seeds) > 1 else ["mean"]):
+    present = {(t, k) for t, r in ok.items() for k in r["mean"]}
+    n9, n8 = sum(k in present for k in AVG9), sum(k in present for k in AVG8)
+    lines = ["| model | " + " | ".join(c for c, _ in COLUMNS) + f" | Avg of {n9} (Tab. 1 way) | Avg of {n8} (Tab. 3 way) |",
+             "|---" * (len(COLUMNS) + 3) + "|"]
+    marks = {(t, k) for t, r in ok.items() if r["collapsed"] for k in r["mean"]}
+    sub = report["args"].get("max_train_samples"), report["args"].get("max_eval_samples")
+    flag = "".join([f"; TRAIN SUBSAMPLED to {sub[0]} rows/task" if sub[0] else "",
+                    f"; DEV SUBSAMPLED to {sub[1]} rows" if sub[1] else ""])
+    for stat in (["mean", "median"] if n_runs > 1 else ["mean"]):
         values = {(t, k): v for t, r in ok.items() for k, v in r[stat].items()}
-        which = f"{stat} of {len(seeds)} seeds" if len(seeds) > 1 else f"seed {seeds[0]}"
-        avg = np.mean([values[k] for k in present]) if present else None
-        lines.append(table_row(f"{report['name']} ({which})", values, "–" if avg is None else f"{avg:.1f}"))
+        avgs = [like_for_like(values, keys, present) for keys in (AVG9, AVG8)]
+        lines.append(table_row(f"{report['name']} ({stat} of {report['runs_label']}{flag})", values,
+                               ["–" if a is None else f"{a:.1f}" for a in avgs], marks))
     for label, numbers, paper_avg in PAPER_ROWS if compare else []:
-        values = dict(zip(AVG_KEYS, numbers))
-        same = [values[k] for k in present if values[k] is not None]  # the paper's scores on our tasks
-        avg = f"{paper_avg:.1f}" if len(present) == len(AVG_KEYS) else f"{np.mean(same):.1f} (all: {paper_avg:.1f})"
-        lines.append(table_row(label, values, avg))
-    lines.append("")
-    lines.append(f"Avg: TACO's, the mean of MNLI-m, MNLI-mm, QQP F1, QNLI, SST-2, CoLA, STS-B Spearman, MRPC F1 "
-                 f"and RTE; here over the {len(present)} of those 9 numbers present.")
+        values = dict(zip(AVG9, numbers))
+        column = 1 if values[("mnli", "acc_mm")] is None else 0  # which way this table averages
+        keys = (AVG9, AVG8)[column]
+        avg = like_for_like(values, keys, present)
+        whole = len([k for k in keys if k in present]) == len(keys)
+        cell = "–" if avg is None else f"{paper_avg:.1f}" if whole else f"{avg:.1f} (all: {paper_avg:.1f})"
+        lines.append(table_row(label, values, [cell, "–"] if column == 0 else ["–", cell]))
+    lines += ["", "Avg of 9 (Tab. 1 way): TACO's small-model Avg., the mean of MNLI-m, MNLI-mm, QQP F1, QNLI, SST-2, "
+              "CoLA, STS-B Spearman, MRPC F1 and RTE (WNLI left out). Avg of 8 (Tab. 3 way): its base-model Avg., "
+              "MNLI-m only. Each average covers only the tasks scored here, on our rows and the paper's alike; "
+              "'all' is the paper's own average over all its tasks."]
+    if compare:
+        lines.append("Paper rows: dev sets; small models the mean of 4 seeds at Table 7's values, base models the "
+                     "mean of 6 combinations drawn from Table 8's grid.")
+    if marks:
+        lines.append("† collapsed: at least one run predicted one constant value on dev (correlations undefined, "
+                     "counted as 0; MCC 0). Its runs are listed below.")
+    if flag:
+        lines.append(f"Subsampled{flag.replace(';', ',')}: a quick run, not comparable with the papers' numbers.")
     for name, r in tasks.items():
         if r["status"] == "missing":
             lines.append(f"Missing: {name} ({r['reason']}).")
-    lines += ["", "| task | metric | per seed | mean | median | train / dev rows | min |", "|---" * 7 + "|"]
+    lines += ["", "| task | metric | per run | mean | median | runs collapsed | train / dev rows | minutes |",
+              "|---" * 8 + "|"]
     for name, r in ok.items():
         for key in r["mean"]:
-            per_seed = ", ".join(f"{s[key]:.1f}" for s in r["seeds"].values())
-            lines.append(f"| {name} | {key} | {per_seed} | {r['mean'][key]:.2f} | {r['median'][key]:.2f} "
-                         f"| {r['n_train']} / {'+'.join(map(str, r['n_dev'].values()))} | {r['time_s'] / 60:.1f} |")
+            per_run = ", ".join(f"{run['scores'][key]:.1f}" for run in r["runs"].values())
+            n_dev = "+".join(map(str, r["n_dev"].values()))
+            lines.append(f"| {name} | {key} | {per_run} | {r['mean'][key]:.2f} | {r['median'][key]:.2f} | "
+                         f"{len(r['collapsed'])} | {r['n_train']} / {n_dev} | {r['time_s'] / 60:.1f} |")
+    lines += ["", f"Hyper-parameters ({report['protocol']}):", "",
+              "| task | runs | lr | batch size | epochs | warm-up steps / all steps |", "|---" * 6 + "|"]
+    for name, r in ok.items():
+        combos = {}
+        for run in r["runs"].values():
+            hp = run["hparams"]
+            combos.setdefault((hp["lr"], hp["batch_size"], hp["epochs"], hp["warmup_steps"], hp["total_steps"]),
+                              []).append(run["label"])
+        for (lr, bs, epochs, warmup, total), labels in combos.items():
+            lines.append(f"| {name} | {', '.join(labels)} | {lr:g} | {bs} | {epochs} | {warmup} / {total} |")
     return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------------
-# Entry point
+# Flags and entry point
 
 
-def subset(ds, n):  # a fixed random subset, not the first rows: CoLA's are sorted by source
-    return ds.shuffle(seed=0).select(range(min(n, len(ds))))
+def validate_args(args):
+    """Every flag, checked before anything is loaded or written: a ValueError naming the flag, the
+    value and what is allowed (main() prints it as one error: line and exits with status 2)."""
+    finite = lambda v: math.isfinite(v)
+    checks = [  # (flag, allowed?, what is allowed)
+        ("epochs", lambda v: v >= 1, "an integer >= 1"),
+        ("batch_size", lambda v: v >= 1, "an integer >= 1"),
+        ("max_len", lambda v: v >= 5, "an integer >= 5 (room for [CLS] A [SEP] B [SEP], a token of each)"),
+        ("lr", lambda v: finite(v) and v > 0, "a number > 0"),
+        ("warmup", lambda v: finite(v) and v >= 0, "steps >= 0, or a fraction of all steps if < 1"),
+        ("weight_decay", lambda v: finite(v) and v >= 0, "a number >= 0"),
+        ("dropout", lambda v: 0 <= v < 1, "a probability in [0, 1)"),
+        ("max_train_samples", lambda v: v >= 1, "an integer >= 1"),
+        ("max_eval_samples", lambda v: v >= 1, "an integer >= 1"),
+        ("num_combos", lambda v: v >= 1, "an integer >= 1"),
+        ("num_sentences", lambda v: v >= 2, "an integer >= 2"),
+    ]
+    for flag, allowed, what in checks:
+        value = getattr(args, flag, None)
+        if value is not None and not allowed(value):
+            raise ValueError(f"--{flag} {value}: must be {what}")
+    if args.device is not None:
+        try:
+            device = torch.device(args.device)
+        except (RuntimeError, ValueError):
+            device = None
+        if device is None or device.type not in ("cpu", "cuda"):
+            raise ValueError(f"--device {args.device}: unknown device (cpu, cuda or cuda:N)")
+        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+            raise ValueError(f"--device {args.device}: not available here ({torch.cuda.device_count()} CUDA devices)")
+    parse_tasks(args.tasks)
+    seeds = parse_seeds(args.seeds)
+    if args.predict_seed is not None and args.predict_seed not in seeds:
+        raise ValueError(f"--predict_seed {args.predict_seed}: must be one of --seeds {args.seeds}")
+    for flag in ("model", "plot_log"):
+        for path in getattr(args, flag) or []:
+            if not os.path.exists(path):
+                raise ValueError(f"--{flag} {path}: no such file or directory")
+    for path in args.plot_log or []:
+        if os.path.isdir(path):
+            raise ValueError(f"--plot_log {path}: a directory; pass its log file, e.g. {os.path.join(path, 'log.jsonl')}")
+    for flag in ("glue_dir", "text"):
+        path = getattr(args, flag)
+        if path is not None and not os.path.exists(path):
+            raise ValueError(f"--{flag} {path}: no such file or directory")
+    if args.glue_dir is not None and not os.path.isdir(args.glue_dir):
+        raise ValueError(f"--glue_dir {args.glue_dir}: not a directory (the folder holding CoLA/, SST-2/, ...)")
+    png = args.plot_log and not args.analysis and args.out and args.out.endswith(".png")  # plot_logs takes a file
+    if args.out is not None and os.path.exists(args.out) and not os.path.isdir(args.out) and not png:
+        raise ValueError(f"--out {args.out}: an existing file; --out names a directory")
 
 
 def run_glue(args, log=print):
+    validate_args(args)
     if isinstance(args.model, list):  # the command line's --model takes several for --analysis
         if len(args.model) != 1:
             raise ValueError("GLUE takes one --model: a run directory, a Hugging Face BERT directory or a ckpt.pt")
         args.model = args.model[0]
-    tasks = parse_tasks(args.tasks)
-    try:
-        seeds = [int(s) for s in args.seeds.split(",")]
-    except ValueError:
-        raise ValueError(f"--seeds takes comma-separated integers, got {args.seeds!r}") from None
+    tasks, seeds = parse_tasks(args.tasks), parse_seeds(args.seeds)
+    predict_seed = seeds[0] if args.predict_seed is None else args.predict_seed
     base = Bert.from_pretrained(args.model)  # ValueError on anything that is not a checkpoint
     model_dir = args.model if os.path.isdir(args.model) else os.path.dirname(os.path.abspath(args.model))
     tok = load_tokenizer(model_dir)
     cfg = base.config
     if tok.get_vocab_size() > cfg.vocab_size:
         raise ValueError(f"{model_dir}: the tokenizer has {tok.get_vocab_size()} tokens, the model {cfg.vocab_size}")
-    recipe = args.recipe if args.recipe != "auto" else ("base" if cfg.hidden_size >= 768 else "small")
-    hp = {**RECIPES[recipe], **{k: getattr(args, k) for k in RECIPES[recipe] if getattr(args, k) is not None}}
+    size = args.model_size if args.model_size != "auto" else ("base" if cfg.hidden_size >= 768 else "small")
+    overrides = {k: getattr(args, k) for k in HPARAMS if getattr(args, k) is not None}
     if args.max_len is None:  # a model pretrained on short blocks gets its own limit
-        hp["max_len"] = min(hp["max_len"], cfg.max_position_embeddings)
-    if hp["max_len"] > cfg.max_position_embeddings:
-        raise ValueError(f"--max_len {hp['max_len']} exceeds the model's {cfg.max_position_embeddings} positions")
+        overrides["max_len"] = min(SHARED["max_len"], cfg.max_position_embeddings)
+    if overrides["max_len"] > cfg.max_position_embeddings:
+        raise ValueError(f"--max_len {overrides['max_len']}: exceeds the model's {cfg.max_position_embeddings} positions")
+    protocol = ("uniform recipe (TACO's scripts)" if args.recipe == "uniform" else
+                "TACO Table 7, fixed per task" if size == "small" else
+                f"TACO Table 8, {args.num_combos} combinations per task drawn with --grid_seed {args.grid_seed}")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    log(f"{args.model}: {base.num_params() / 1e6:.1f}M parameters, recipe {recipe} {hp}, seeds {seeds}, {device}")
-    results = {}
+    out = args.out or model_dir
+    log(f"{args.model}: {base.num_params() / 1e6:.1f}M parameters ({size}), {protocol}, seeds {seeds}, {device}"
+        + (f"; flags override {overrides}" if overrides else ""))
+    if args.max_train_samples:
+        log("note: with --max_train_samples, each recipe's warm-up steps shrink in proportion to the train rows kept")
+    results, predictions, t_all = {}, {}, time.time()
     for task in tasks:
         try:
-            raw = load_task(task, args.glue_dir)
+            raw = load_task(task, args.glue_dir, test=args.predict)
         except TaskMissing as e:
             log(f"warning: skipping {task.name}: {e}")
             results[task.name] = dict(status="missing", reason=str(e))
             continue
+        n_full = len(raw["train"])
         if args.max_train_samples:
             raw["train"] = subset(raw["train"], args.max_train_samples)
         if args.max_eval_samples:
             raw["dev"] = {s: subset(ds, args.max_eval_samples) for s, ds in raw["dev"].items()}
-        enc = lambda ds: encode_task(tok, ds, hp["max_len"], cfg.cls_token_id, cfg.sep_token_id, task.labels is None)
+        hps = recipe_runs(task, args.recipe, size, overrides, args.num_combos, args.grid_seed)
+        enc = lambda ds: encode_task(tok, ds, hps[0]["max_len"], cfg.cls_token_id, cfg.sep_token_id, task.labels is None)
         data = {"train": enc(raw["train"]), "dev": {s: enc(ds) for s, ds in raw["dev"].items()}}
-        t0 = time.time()
-        histories = {seed: finetune(base, task, data, hp, seed, device, cfg.pad_token_id, log) for seed in seeds}
-        final = {seed: {k: v for k, v in h[-1].items() if k not in ("epoch", "train_loss")}
-                 for seed, h in histories.items()}
-        keys = list(final[seeds[0]])
+        tests = {stem: (ds["index"], enc(ds)) for stem, ds in raw.get("test", {}).items() if not isinstance(ds, str)}
+        for stem, reason in raw.get("test", {}).items():
+            if isinstance(reason, str):
+                log(f"warning: no {stem}.tsv: {reason}")
+                predictions[stem] = f"missing: {reason}"
+        t0, runs, best = time.time(), {}, None
+        for k, hp in enumerate(hps):
+            total, warmup, note = schedule_steps(hp, len(raw["train"]), n_full, args.warmup is not None)
+            if note:
+                log(f"note: {task.name}: {note}")
+            for seed in seeds:
+                label = f"seed {seed}" if len(hps) == 1 else f"combo {k + 1} seed {seed}"
+                model, history = finetune(base, task, data, hp, seed, device, cfg.pad_token_id, warmup,
+                                          args.group_by_length, log)
+                runs[label] = dict(label=label, seed=seed, combo=k + 1, scores=history[-1]["scores"],
+                                   collapsed=history[-1]["collapsed"],
+                                   hparams=dict(hp, warmup_steps=warmup, total_steps=total), history=history)
+                main = float(np.mean([history[-1]["scores"][key] for key in MAIN[task.name]]))
+                # the model that predicts the test sets: the chosen seed's, its best combination on dev
+                if (args.predict or args.save_model) and seed == predict_seed and (best is None or main > best[0]):
+                    bf16 = hp["precision"] == "bf16"
+                    best = (main, label, {stem: predict(model, test, cfg.pad_token_id, device, bf16=bf16)
+                                          for stem, (_, test) in tests.items()})
+                    if args.save_model:
+                        save_classifier(model, task, os.path.join(out, "models", task.dir), model_dir)
+                del model
+        keys = list(next(iter(runs.values()))["scores"])
         results[task.name] = dict(
-            status="ok", n_train=len(raw["train"]), n_dev={s: len(ds) for s, ds in raw["dev"].items()},
-            seeds=final, mean={k: float(np.mean([f[k] for f in final.values()])) for k in keys},
-            median={k: float(np.median([f[k] for f in final.values()])) for k in keys},
-            history=histories, time_s=time.time() - t0)
+            status="ok", n_train=len(raw["train"]), n_train_full=n_full,
+            n_dev={s: len(ds) for s, ds in raw["dev"].items()}, runs=runs,
+            mean={key: float(np.mean([r["scores"][key] for r in runs.values()])) for key in keys},
+            median={key: float(np.median([r["scores"][key] for r in runs.values()])) for key in keys},
+            collapsed=[label for label, r in runs.items() if r["collapsed"]], time_s=time.time() - t0,
+            **({"grid": BASE_GRID[task.name], "num_combos": len(hps)}
+               if args.recipe == "paper" and size == "base" else {}))
+        if best is not None:
+            results[task.name]["predicted_by"] = best[1]
+        for stem, (index, _) in tests.items():  # submission files, as soon as the task is done
+            os.makedirs(out, exist_ok=True)
+            write_submission(os.path.join(out, stem + ".tsv"), task, index, best[2][stem])
+            predictions[stem] = dict(rows=len(index), model=f"{task.name} {best[1]}")
     if not any(r["status"] == "ok" for r in results.values()):
         raise ValueError("no GLUE task could be scored: " + "; ".join(f"{n}: {r['reason']}"
                                                                       for n, r in results.items()))
-    report = dict(name=os.path.basename(os.path.normpath(model_dir)), model=args.model, recipe=recipe, hparams=hp,
-                  seeds=seeds, args=vars(args), device=str(device), torch=torch.__version__,
-                  model_config=vars(cfg), tasks=results)
-    present = [k for k in AVG_KEYS if results.get(k[0], {}).get("status") == "ok"]
-    report["avg"] = {stat: float(np.mean([results[t][stat][k] for t, k in present])) if present else None
-                     for stat in ("mean", "median")}
+    n_runs = len(next(r for r in results.values() if r["status"] == "ok")["runs"])
+    runs_label = (f"{len(seeds)} seed{'s' * (len(seeds) > 1)}" if n_runs == len(seeds) else
+                  f"{n_runs // len(seeds)} combinations x {len(seeds)} seed{'s' * (len(seeds) > 1)}")
+    if n_runs == 1:
+        runs_label = f"1 run, seed {seeds[0]}"
+    report = dict(name=os.path.basename(os.path.normpath(model_dir)), model=args.model, recipe=args.recipe,
+                  model_size=size, protocol=protocol, shared=SHARED, seeds=seeds, runs_per_task=n_runs,
+                  runs_label=runs_label, group_by_length=args.group_by_length, args=vars(args), device=str(device),
+                  torch=torch.__version__, model_config=vars(cfg), time_s=time.time() - t_all, tasks=results)
+    present = {(t, k) for t, r in results.items() if r["status"] == "ok" for k in r["mean"]}
+    report["avg9"], report["avg8"] = ({stat: like_for_like({(t, k): v for t, r in results.items() if r["status"] == "ok"
+                                                            for k, v in r[stat].items()}, keys, present)
+                                       for stat in ("mean", "median")} for keys in (AVG9, AVG8))
     report["missing"] = [n for n, r in results.items() if r["status"] == "missing"]
+    if args.predict:
+        report["predictions"] = predictions
     table = glue_table(report, compare=args.compare)
-    out = args.out or model_dir
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "glue.json"), "w") as f:
-        json.dump(report, f, indent=2)
-    with open(os.path.join(out, "glue.md"), "w") as f:
-        f.write(table + "\n")
-    log("\n" + table + f"\n\nwrote {os.path.join(out, 'glue.json')} and glue.md")
+    write_atomic(os.path.join(out, "glue.json"), json.dumps(report, indent=2))
+    write_atomic(os.path.join(out, "glue.md"), table + "\n")
+    written = [f"{stem}.tsv" for stem, p in predictions.items() if isinstance(p, dict)]
+    log("\n" + table + f"\n\nwrote {os.path.join(out, 'glue.json')}, glue.md" + "".join(f", {w}" for w in written))
     return report
+
+
+def subset(ds, n):  # a fixed random subset, not the first rows: CoLA's are sorted by source
+    return ds.shuffle(seed=0).select(range(min(n, len(ds))))
 
 
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", nargs="+", help="run directory, Hugging Face BERT directory, or ckpt.pt of this "
                    "project (--analysis compares several)")
-    p.add_argument("--out", help="where the outputs go (default: the (first) model's directory)")
+    p.add_argument("--out", help="output directory (default: the (first) model's directory)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when there is one)")
     p.add_argument("--max_len", type=int, help="tokens per example, pairs truncated longest-first "
-                   "(GLUE recipe: 128; --analysis: 128 word pieces per sentence)")
+                   "(GLUE: 128, Table 6; --analysis: 128 word pieces per sentence)")
     g = p.add_argument_group("GLUE fine-tuning (the default mode)")
     g.add_argument("--tasks", default="all", help=f"comma-separated, from: {','.join(TASKS)} (default all)")
-    g.add_argument("--glue_dir", help="folder of the original GLUE TSVs (CoLA/, SST-2/, ...); default: the hub")
-    g.add_argument("--seeds", default="1", help="comma-separated fine-tuning seeds; several give mean and median")
+    g.add_argument("--glue_dir", help="folder of the original GLUE TSVs (CoLA/, SST-2/, ... as download_glue_data.py "
+                   "writes them); default: nyu-mll/glue from the Hugging Face hub")
+    g.add_argument("--seeds", default="1", help="comma-separated fine-tuning seeds; several give mean and median "
+                   "(TACO's small rows: 4 seeds)")
     g.add_argument("--compare", action="store_true", help="print the TACO paper's rows beside ours")
-    g.add_argument("--recipe", default="auto", choices=["auto", *RECIPES],
-                   help="default hyperparameters (auto: base for hidden size >= 768, else small)")
-    g.add_argument("--lr", type=float, help="peak learning rate (recipe: 5e-5 small, 3e-5 base)")
-    g.add_argument("--batch_size", type=int, help="recipe: 32")
-    g.add_argument("--epochs", type=int, help="recipe: 4 small, 6 base")
-    g.add_argument("--warmup", type=float, help="linear warmup steps, or a fraction of all steps if < 1 (recipe: 100)")
-    g.add_argument("--weight_decay", type=float, help="AdamW weight decay, not on biases/LayerNorms (recipe: 0)")
-    g.add_argument("--dropout", type=float, help="encoder and head dropout while fine-tuning (recipe: 0.1)")
+    g.add_argument("--recipe", default="paper", choices=["paper", "uniform"],
+                   help="paper: TACO App. A (Table 7 per task for small models, Table 8's 6 sampled combinations "
+                   "for base); uniform: one recipe for every task (TACO's scripts: 5e-5/32/4 epochs small, "
+                   "3e-5/32/6 base, warm-up 100, bf16 on GPU)")
+    g.add_argument("--model_size", default="auto", choices=["auto", "small", "base"],
+                   help="which recipe applies (auto: base for hidden size >= 768)")
+    g.add_argument("--num_combos", type=int, default=NUM_COMBOS, help="base models: combinations drawn per task "
+                   "from Table 8's grid (paper: 6)")
+    g.add_argument("--grid_seed", type=int, default=0, help="seeds the draw of Table 8 combinations")
+    g.add_argument("--lr", type=float, help="peak learning rate; overrides the recipe in every run (paper: 5e-5 "
+                   "small, Table 8's grid base)")
+    g.add_argument("--batch_size", type=int, help="overrides the recipe (paper: 32 or 64 per task)")
+    g.add_argument("--epochs", type=int, help="overrides the recipe (paper: 4 or 6 per task)")
+    g.add_argument("--warmup", type=float, help="linear warm-up steps, or a fraction of all steps if < 1; overrides "
+                   "the recipe (paper: 100, 200 or 2000 per task, shrunk with --max_train_samples)")
+    g.add_argument("--weight_decay", type=float, help="AdamW weight decay, not on biases/LayerNorms (paper: 0)")
+    g.add_argument("--dropout", type=float, help="encoder and head dropout while fine-tuning (paper: 0.1)")
+    g.add_argument("--precision", choices=["fp32", "bf16"], help="bf16: autocast on GPU, faster (paper: fp32)")
+    g.add_argument("--group_by_length", action="store_true", help="batch rows of similar length (less padding, "
+                   "faster on GPU) instead of the papers' random batches")
     g.add_argument("--max_train_samples", type=int, help="quick runs: a fixed random subset of each train set")
     g.add_argument("--max_eval_samples", type=int, help="quick runs: a fixed random subset of each dev set")
+    g.add_argument("--predict", action="store_true", help="also write GLUE leaderboard files (CoLA.tsv ... "
+                   "MNLI-m.tsv, MNLI-mm.tsv, AX.tsv) for every scored task's test set into --out")
+    g.add_argument("--predict_seed", type=int, help="the seed whose model predicts the test sets (default: the first "
+                   "of --seeds; base models: its best combination on dev)")
+    g.add_argument("--save_model", action="store_true", help="keep that fine-tuned model of each task as a Hugging "
+                   "Face BertForSequenceClassification directory, --out/models/TASK")
     a = p.add_argument_group("representation analysis and training curves (analysis.py)")
     a.add_argument("--analysis", action="store_true", help="contextual score, self-similarity, heatmaps, "
-                   "sentence and word similarity of every --model, as analysis.json and PNG plots")
-    a.add_argument("--text", help="held-out text for --analysis (default: the run's validation split, "
-                   "else WikiText-2 test from ../shared/data)")
+                   "sentence and word similarity of every --model, as analysis.json and PNG plots "
+                   "(STS-B pairs from --glue_dir)")
+    a.add_argument("--text", help="held-out text for --analysis (default: the run's validation split)")
     a.add_argument("--num_sentences", type=int, default=1000, help="held-out sentences sampled for --analysis")
-    a.add_argument("--analysis_data", default=analysis.ANALYSIS_DATA,
-                   help="folder with wordsim353/, simlex999/ and glue/STS-B/")
     a.add_argument("--plot_log", nargs="+", metavar="LOG", help="plot these log.jsonl files on shared axes "
-                   "(into --out, default .)")
+                   "(into --out, a directory or a .png, default .)")
     return p
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)  # argparse's own errors: a usage line, "error: ...", exit 2
     try:
+        validate_args(args)
         if args.plot_log:
             analysis.plot_logs(args.plot_log, args.out)
         if args.analysis:
-            analysis.run_analysis(args)
+            analysis.run_analysis(args)  # reads args.glue_dir for its STS-B pairs
         elif not args.plot_log:
             if not args.model:
                 raise ValueError("--model is required: a run directory, a Hugging Face BERT directory or a ckpt.pt")
             run_glue(args)
-    except (ValueError, FileNotFoundError) as e:  # bad checkpoint, unknown task, malformed TSV: one line
+    except (ValueError, FileNotFoundError) as e:  # bad flag, bad checkpoint, malformed TSV: one line
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 

@@ -203,22 +203,37 @@ def tiny_model_dir(tmp_path_factory, tokenizer_dir):
     return d
 
 
-def write_glue(root, n=48):
-    """Tiny TSVs in the GLUE layout: CoLA (no header), MRPC (BOM, quotes), STS-B, all keyword-learnable."""
+def write_glue(root, n=48, n_test=10):
+    """Tiny TSVs in the GLUE layout: CoLA (no header), MRPC (BOM, quotes), STS-B, all keyword-learnable,
+    with test files as GLUE ships them (a header, an index column, no labels)."""
     rng = np.random.default_rng(0)
-    for task, header, row in [
-        ("CoLA", None, lambda y: f"gj04\t{y}\t\t{'a good film .' if y else 'a bad film .'}"),
+    for task, header, row, test_header, test_row in [
+        ("CoLA", None, lambda y: f"gj04\t{y}\t\t{'a good film .' if y else 'a bad film .'}",
+         "index\tsentence", lambda i, y: f"{i}\t{'a good film .' if y else 'a bad film .'}"),
         ("MRPC", "\ufeffQuality\t#1 ID\t#2 ID\t#1 String\t#2 String",
-         lambda y: f'{y}\t1\t2\t" the cat sat .\t{"the cat sat" if y else "the journey rocks"} .'),
+         lambda y: f'{y}\t1\t2\t" the cat sat .\t{"the cat sat" if y else "the journey rocks"} .',
+         "index\t#1 ID\t#2 ID\t#1 String\t#2 String",
+         lambda i, y: f'{i}\t1\t2\tthe cat sat .\t{"the cat sat" if y else "the journey rocks"} .'),
         ("STS-B", "index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\tsentence2\tscore",
          lambda y: f"0\tg\tf\t2012\t0\tnone\tnone\tthe cat sat .\t{'the cat sat' if y else 'a bad film'} ."
-                   f"\t{4.5 * y:.3f}"),
+                   f"\t{4.5 * y:.3f}",
+         "index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\tsentence2",
+         lambda i, y: f"{i}\tg\tf\t2012\t0\tnone\tnone\tthe cat sat .\t{'the cat sat' if y else 'a bad film'} ."),
     ]:
         os.makedirs(root / task, exist_ok=True)
         for split, size in (("train", n), ("dev", n // 2)):
             lines = ([header] if header else []) + [row(int(y)) for y in rng.integers(0, 2, size)]
             (root / task / f"{split}.tsv").write_text("\n".join(lines))  # no trailing newline, as some GLUE files
+        # test indices out of order (as none of GLUE's are): the files must keep the file's order and index
+        test = [test_row(100 + (7 * i) % n_test, i % 2) for i in range(n_test)]
+        (root / task / "test.tsv").write_text("\n".join([test_header] + test) + "\n")
     return root
+
+
+def read_submission(path):
+    lines = path.read_text().split("\n")
+    assert lines[0] == "index\tprediction" and lines[-1] == ""
+    return [line.split("\t") for line in lines[1:-1]]
 
 
 def test_end_to_end(tmp_path, tiny_model_dir, capsys):
@@ -226,28 +241,49 @@ def test_end_to_end(tmp_path, tiny_model_dir, capsys):
     out = tmp_path / "out"
     report = ev.run_glue(ev.build_parser().parse_args([
         "--model", str(tiny_model_dir), "--glue_dir", str(glue), "--tasks", "all", "--seeds", "1,2",
-        "--epochs", "6", "--batch_size", "8", "--lr", "5e-3", "--warmup", "0.1", "--out", str(out), "--compare"]))
+        "--epochs", "6", "--batch_size", "8", "--lr", "5e-3", "--warmup", "0.1", "--out", str(out), "--compare",
+        "--predict", "--predict_seed", "2"]))
     saved = json.loads((out / "glue.json").read_text())
-    assert saved["seeds"] == [1, 2] and saved["hparams"]["lr"] == 5e-3 and saved["recipe"] == "small"
+    assert saved["seeds"] == [1, 2] and saved["recipe"] == "paper" and saved["model_size"] == "small"
     tasks = saved["tasks"]
     assert set(tasks) == set(ev.TASKS)
     assert {n for n, t in tasks.items() if t["status"] == "ok"} == {"cola", "mrpc", "stsb"}
     assert set(saved["missing"]) == {"sst2", "qqp", "mnli", "qnli", "rte", "wnli"}
-    assert set(tasks["mrpc"]["seeds"]["1"]) == {"f1", "acc"} and set(tasks["stsb"]["mean"]) == {"pearson", "spearman"}
-    assert len(tasks["cola"]["history"]["2"]) == 6 and tasks["cola"]["n_train"] == 48
+    run = tasks["mrpc"]["runs"]["seed 1"]
+    assert set(run["scores"]) == {"f1", "acc"} and set(tasks["stsb"]["mean"]) == {"pearson", "spearman"}
+    # flags override Table 7 (lr 5e-5, batch 32, 4 epochs); the rest stays Table 6's
+    assert run["hparams"]["lr"] == 5e-3 and run["hparams"]["batch_size"] == 8 and run["hparams"]["max_len"] == 64
+    assert run["hparams"]["dropout"] == 0.1 and run["hparams"]["precision"] == "fp32"
+    assert run["hparams"]["total_steps"] == 36 and run["hparams"]["warmup_steps"] == 4  # 10% of 6 x ceil(48 / 8)
+    assert len(tasks["cola"]["runs"]["seed 2"]["history"]) == 6 and tasks["cola"]["n_train"] == 48
     # keyword tasks: the tiny model learns them
     assert tasks["cola"]["mean"]["mcc"] > 50 and tasks["mrpc"]["mean"]["acc"] > 80
-    assert tasks["stsb"]["mean"]["pearson"] > 50
+    assert tasks["stsb"]["mean"]["pearson"] > 50 and not tasks["stsb"]["collapsed"]
     expected_avg = np.mean([tasks["cola"]["mean"]["mcc"], tasks["stsb"]["mean"]["spearman"],
                             tasks["mrpc"]["mean"]["f1"]])
-    assert saved["avg"]["mean"] == pytest.approx(expected_avg)
+    assert saved["avg9"]["mean"] == pytest.approx(expected_avg) and saved["avg8"]["mean"] == pytest.approx(expected_avg)
     table = (out / "glue.md").read_text()
     assert f"{expected_avg:.1f}" in table and "Missing: qnli" in table and "paper: BERT-small TACO, 250k" in table
-    assert "mean of 2 seeds" in table and "median of 2 seeds" in table
-    assert report["tasks"]["cola"]["status"] == "ok"
+    assert "mean of 2 seeds" in table and "median of 2 seeds" in table and "STS-B Spearman" in table
+    assert "minutes" in table and "SUBSAMPLED" not in table
+    # the paper's rows averaged over the same 3 tasks: small TACO-250k (CoLA 34.2, STS-B 86.1, MRPC 88.1)
+    assert f"{np.mean([34.2, 86.1, 88.1]):.1f} (all: 76.2)" in table
+    assert f"{np.mean([53.4, 88.5, 90.7]):.1f} (all: 81.8)" in table  # base TACO-500k, Table 3's way
+    # --predict: one file per scored task, in the test file's order, with its index and GLUE's labels
+    assert {p.name for p in out.glob("*.tsv")} == {"CoLA.tsv", "MRPC.tsv", "STS-B.tsv"}
+    for name in ("CoLA", "MRPC", "STS-B"):
+        rows = read_submission(out / f"{name}.tsv")
+        assert [int(i) for i, _ in rows] == [100 + (7 * i) % 10 for i in range(10)]
+        if name == "STS-B":
+            assert all(0 <= float(v) <= 5 for _, v in rows)
+        else:
+            assert {v for _, v in rows} <= {"0", "1"}
+            assert [v for _, v in rows] == [str(i % 2) for i in range(10)]  # the keywords, learnt
+    assert saved["predictions"]["CoLA"] == {"rows": 10, "model": "cola seed 2"}
+    assert report["tasks"]["cola"]["predicted_by"] == "seed 2"
 
 
-def test_max_samples_and_default_out(tmp_path, tiny_model_dir):
+def test_max_samples_and_default_out(tmp_path, tiny_model_dir, capsys):
     glue = write_glue(tmp_path / "glue")
     model_dir = tmp_path / "m"
     model_dir.mkdir()
@@ -256,8 +292,150 @@ def test_max_samples_and_default_out(tmp_path, tiny_model_dir):
     ev.main(["--model", str(model_dir), "--glue_dir", str(glue), "--tasks", "sts-b", "--epochs", "1",
              "--max_train_samples", "10", "--max_eval_samples", "7"])
     saved = json.loads((model_dir / "glue.json").read_text())
-    assert saved["tasks"]["stsb"]["n_train"] == 10 and saved["tasks"]["stsb"]["n_dev"] == {"": 7}
+    stsb = saved["tasks"]["stsb"]
+    assert stsb["n_train"] == 10 and stsb["n_train_full"] == 48 and stsb["n_dev"] == {"": 7}
     assert list(saved["tasks"]) == ["stsb"]
+    # Table 7's 100 warm-up steps, set for 48 rows, shrink to 10/48 of them; then cut: 1 step in all
+    assert stsb["runs"]["seed 1"]["hparams"]["warmup_steps"] == 0 and stsb["runs"]["seed 1"]["hparams"]["total_steps"] == 1
+    out = capsys.readouterr().out
+    assert "TRAIN SUBSAMPLED to 10 rows/task" in (model_dir / "glue.md").read_text()
+    assert out.count("warm-up steps shrink") == 1
+
+
+# ----------------------------------------------------------------------------------------------
+# recipes: TACO App. A, Tables 6-8
+
+TABLE7 = {  # task: (lr, batch, epochs, warm-up), typed from the paper
+    "mnli": (5e-5, 64, 6, 2000), "qqp": (5e-5, 64, 6, 2000), "qnli": (5e-5, 64, 4, 200),
+    "sst2": (5e-5, 64, 4, 200), "cola": (5e-5, 32, 4, 100), "stsb": (5e-5, 32, 4, 100),
+    "mrpc": (5e-5, 32, 4, 100), "rte": (5e-5, 32, 4, 100),
+}
+LR8 = {1e-5, 2e-5, 3e-5, 5e-5}
+TABLE8 = {  # task: (batch sizes, epochs, warm-ups), typed from the paper
+    "mnli": ({32, 64, 128}, {4, 6, 8}, {1000, 2000}), "qqp": ({32, 64, 128}, {4, 6, 8}, {1000, 2000}),
+    "qnli": ({32, 64}, {4, 6}, {100, 200, 1000}), "sst2": ({16, 32, 64}, {4, 6}, {200}),
+    "cola": ({16, 32, 64}, {4, 6}, {100}), "stsb": ({16, 32, 64}, {4, 6}, {100}),
+    "mrpc": ({16, 32, 64}, {4, 6}, {100}), "rte": ({16, 32, 64}, {4, 6, 8}, {100}),
+}
+
+
+@pytest.mark.parametrize("name", TABLE7)
+def test_recipes_match_the_paper(name):
+    task = ev.TASKS[name]
+    table6 = dict(max_len=128, dropout=0.1, weight_decay=0.0, precision="fp32")
+    (small,) = ev.recipe_runs(task, "paper", "small")
+    assert small == dict(table6, **dict(zip(("lr", "batch_size", "epochs", "warmup"), TABLE7[name])))
+    combos = ev.recipe_runs(task, "paper", "base")
+    assert len(combos) == 6
+    keys = [(c["lr"], c["batch_size"], c["epochs"], c["warmup"]) for c in combos]
+    assert len(set(keys)) == 6  # six different combinations
+    batches, epochs, warmups = TABLE8[name]
+    for c in combos:
+        assert c["lr"] in LR8 and c["batch_size"] in batches and c["epochs"] in epochs and c["warmup"] in warmups
+        assert {k: c[k] for k in table6} == table6
+    assert ev.recipe_runs(task, "paper", "base") == combos  # seeded: the same draw every time
+    assert ev.recipe_runs(task, "paper", "base", grid_seed=1) != combos
+    assert ev.recipe_runs(task, "paper", "base", {"lr": 1e-4})[3]["lr"] == 1e-4  # a flag wins in every run
+    (uniform,) = ev.recipe_runs(task, "uniform", "base")
+    assert (uniform["lr"], uniform["batch_size"], uniform["epochs"]) == (3e-5, 32, 6)
+
+
+def test_base_draws_differ_between_tasks_and_cover_the_grid():
+    draws = {name: ev.recipe_runs(ev.TASKS[name], "paper", "base") for name in ("cola", "stsb", "mrpc")}
+    assert draws["cola"] != draws["stsb"] != draws["mrpc"]  # same grid, a draw of its own per task
+    grid = ev.BASE_GRID["cola"]
+    assert len(ev.sample_grid(grid, 100, seed=[0])) == 4 * 3 * 2  # at most the whole grid, no repeats
+    assert len({tuple(c.values()) for c in ev.sample_grid(grid, 100, seed=[0])}) == 24
+
+
+def test_schedule_steps():
+    hp = dict(batch_size=32, epochs=4, warmup=100)
+    assert ev.schedule_steps(hp, 2490, 2490) == (312, 100, None)  # RTE, the full train set
+    assert ev.schedule_steps(hp, 200, 2490) == (28, 8, None)  # subsampled: warm-up shrinks in proportion
+    assert ev.schedule_steps(hp, 200, 2490, warmup_flag=True)[1:] == (2, "warm-up 100 >= all 28 steps, cut to 2 (10%)")
+    assert ev.schedule_steps(hp, 635, 635) == (80, 8, "warm-up 100 >= all 80 steps, cut to 8 (10%)")  # WNLI
+    assert ev.schedule_steps(dict(hp, warmup=0.25), 200, 2490) == (28, 7, None)  # a fraction of all steps
+
+
+# ----------------------------------------------------------------------------------------------
+# the table
+
+
+def fake_report(tasks, runs=1, collapsed=()):
+    results = {}
+    for name, scores in tasks.items():
+        results[name] = dict(status="ok", mean=scores, median=scores, n_train=10, n_dev={"": 5}, time_s=60,
+                             collapsed=["seed 1"] if name in collapsed else [],
+                             runs={"seed 1": dict(label="seed 1", scores=scores, hparams=dict(
+                                 lr=5e-5, batch_size=32, epochs=4, warmup_steps=8, total_steps=28))})
+    return dict(name="m", tasks=results, runs_per_task=runs, runs_label="1 run, seed 1", protocol="x",
+                args=dict(max_train_samples=200, max_eval_samples=None))
+
+
+def test_table_averages_like_for_like():
+    report = fake_report({"mnli": {"acc_m": 70.0, "acc_mm": 80.0}, "rte": {"acc": 60.0},
+                          "stsb": {"pearson": 0.0, "spearman": 0.0}}, collapsed=("stsb",))
+    table = ev.glue_table(report, compare=True)
+    ours = next(line for line in table.split("\n") if line.startswith("| m ("))
+    # Tab. 1 way: MNLI-m, -mm, STS-B, RTE; Tab. 3 way: MNLI-m, STS-B, RTE
+    assert ours.endswith(f"| {np.mean([70, 80, 0, 60]):.1f} | {np.mean([70, 0, 60]):.1f} |")
+    assert "TRAIN SUBSAMPLED to 200 rows/task" in ours and "0.0†" in ours and "collapsed" in table
+    small = next(line for line in table.split("\n") if line.startswith("| paper: BERT-small MLM"))
+    assert small.endswith(f"| {np.mean([76.9, 77.4, 85.6, 59.6]):.1f} (all: 75.0) | – |")
+    base = next(line for line in table.split("\n") if line.startswith("| paper: BERT-base MLM"))
+    assert base.endswith(f"| – | {np.mean([84.2, 87.9, 63.4]):.1f} (all: 80.9) |")
+    assert "| model | MNLI-m/mm acc |" in table and "Avg of 4 (Tab. 1 way) | Avg of 3 (Tab. 3 way) |" in table
+
+
+def test_random_batches():
+    rng = np.random.default_rng(0)
+    batches = ev.random_batches(100, 16, rng)
+    assert [len(b) for b in batches] == [16] * 6 + [4]
+    assert sorted(np.concatenate(batches).tolist()) == list(range(100))
+    assert np.concatenate(batches).tolist() != list(range(100))  # shuffled
+    assert np.concatenate(ev.random_batches(100, 16, rng)).tolist() != np.concatenate(batches).tolist()  # per epoch
+
+
+# ----------------------------------------------------------------------------------------------
+# --predict and --save_model
+
+
+def test_write_submission_labels_and_clipping(tmp_path):
+    ev.write_submission(str(tmp_path / "RTE.tsv"), ev.TASKS["rte"], ["0", "1", "2"], np.array([1, 0, 1]))
+    assert read_submission(tmp_path / "RTE.tsv") == [["0", "not_entailment"], ["1", "entailment"], ["2", "not_entailment"]]
+    ev.write_submission(str(tmp_path / "MNLI-m.tsv"), ev.TASKS["mnli"], [5, 6, 7], np.array([2, 1, 0]))
+    assert [v for _, v in read_submission(tmp_path / "MNLI-m.tsv")] == ["contradiction", "neutral", "entailment"]
+    ev.write_submission(str(tmp_path / "STS-B.tsv"), ev.TASKS["stsb"], [0, 1, 2], np.array([-0.4, 2.25, 5.7]))
+    assert [v for _, v in read_submission(tmp_path / "STS-B.tsv")] == ["0.000", "2.250", "5.000"]
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+@pytest.mark.skipif(not GLUE_DIR.is_dir(), reason="shared/data/glue not present")
+def test_predict_real_test_sets(tmp_path, tiny_model_dir, capsys):
+    out = tmp_path / "pred"
+    ev.main(["--model", str(tiny_model_dir), "--tasks", "rte,mrpc", "--glue_dir", str(GLUE_DIR), "--epochs", "1",
+             "--max_train_samples", "16", "--max_eval_samples", "16", "--predict", "--out", str(out)])
+    for name, n, labels in (("RTE", 3000, {"entailment", "not_entailment"}), ("MRPC", 1725, {"0", "1"})):
+        rows = read_submission(out / f"{name}.tsv")
+        assert len(rows) == n and [i for i, _ in rows] == [str(i) for i in range(n)]  # the test files' index
+        assert {v for _, v in rows} <= labels
+    assert {p.name for p in out.glob("*.tsv")} == {"RTE.tsv", "MRPC.tsv"}
+
+
+def test_save_model_loads_in_transformers(tmp_path, tiny_model_dir):
+    from transformers import BertForSequenceClassification
+    torch.manual_seed(0)
+    model = ev.GlueModel(Bert.from_pretrained(str(tiny_model_dir)), 3, dropout=0.1).eval()
+    ev.save_classifier(model, ev.TASKS["mnli"], str(tmp_path / "MNLI"), str(tiny_model_dir))
+    hf = BertForSequenceClassification.from_pretrained(str(tmp_path / "MNLI")).eval()
+    assert hf.config.id2label == {0: "entailment", 1: "neutral", 2: "contradiction"}
+    x = torch.randint(5, 40, (3, 9))
+    mask, types = torch.ones_like(x, dtype=torch.bool), (torch.arange(9) >= 5).long().expand(3, 9)
+    with torch.no_grad():
+        ours = model(x, mask, types)
+        theirs = hf(input_ids=x, attention_mask=mask.long(), token_type_ids=types).logits
+    assert torch.allclose(ours, theirs, atol=1e-5)
+    assert (tmp_path / "MNLI" / "vocab.txt").is_file() and not list((tmp_path / "MNLI").glob("*.tmp"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -273,9 +451,65 @@ def run_main_error(argv, capsys):
     return err
 
 
-def test_error_unknown_task(tmp_path, tiny_model_dir, capsys):
-    err = run_main_error(["--model", str(tiny_model_dir), "--glue_dir", str(tmp_path), "--tasks", "cola,squad"], capsys)
-    assert "unknown task 'squad'" in err
+BAD_FLAGS = [  # (flags, what the error line must name)
+    (["--epochs", "0"], "--epochs 0"), (["--batch_size", "0"], "--batch_size 0"), (["--max_len", "2"], "--max_len 2"),
+    (["--lr", "0"], "--lr 0.0"), (["--lr=-1e-5"], "--lr -1e-05"), (["--lr", "nan"], "--lr nan"),
+    (["--warmup", "-1"], "--warmup -1.0"), (["--weight_decay", "-0.1"], "--weight_decay -0.1"),
+    (["--dropout", "1"], "--dropout 1.0"), (["--dropout", "-0.5"], "--dropout -0.5"),
+    (["--device", "tpu"], "--device tpu"), (["--device", "cuda:99"], "--device cuda:99"),
+    (["--tasks", "rte,squad"], "unknown task 'squad'"), (["--seeds", ","], "--seeds"), (["--seeds", "1,x"], "--seeds"),
+    (["--seeds", "1,1"], "--seeds"), (["--predict_seed", "3"], "--predict_seed 3"),
+    (["--max_train_samples", "0"], "--max_train_samples 0"), (["--max_eval_samples", "-3"], "--max_eval_samples -3"),
+    (["--num_combos", "0"], "--num_combos 0"), (["--glue_dir", "{tmp}/nowhere"], "--glue_dir"),
+    (["--out", "{tmp}/a_file"], "--out"), (["--plot_log", "{tmp}"], "--plot_log"),
+    (["--plot_log", "{tmp}/missing.jsonl"], "--plot_log"), (["--text", "{tmp}/missing.txt", "--analysis"], "--text"),
+]
+
+
+@pytest.mark.parametrize("flags,named", BAD_FLAGS, ids=[" ".join(f) for f, _ in BAD_FLAGS])
+def test_bad_flags(flags, named, tmp_path, tiny_model_dir, capsys):
+    (tmp_path / "a_file").write_text("keep me")
+    flags = [f.replace("{tmp}", str(tmp_path)) for f in flags]
+    out = [] if "--out" in flags else ["--out", str(tmp_path / "out")]
+    err = run_main_error(["--model", str(tiny_model_dir), "--glue_dir", str(tmp_path), *out, *flags], capsys)
+    assert named.replace("{tmp}", str(tmp_path)) in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists() and (tmp_path / "a_file").read_text() == "keep me"  # nothing written
+
+
+@pytest.mark.parametrize("flags", [["--epochs", "x"], ["--recipe", "best"], ["--model_size", "huge"]])
+def test_argparse_errors(flags, capsys):
+    with pytest.raises(SystemExit) as e:
+        ev.main(["--model", "m", *flags])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "error:" in err and flags[0] in err and "Traceback" not in err
+
+
+def test_bad_flag_from_the_command_line(tmp_path):
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, str(Path(ev.__file__)), "--model", str(tmp_path), "--epochs", "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip() == "error: --epochs 0: must be an integer >= 1"
+
+
+def test_hub_unreachable_is_one_line(tmp_path, tiny_model_dir, capsys, monkeypatch):
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'nyu-mll/glue' on the Hub (LocalEntryNotFoundError)")
+    monkeypatch.setattr(ev.datasets, "load_dataset", offline)
+    err = run_main_error(["--model", str(tiny_model_dir), "--tasks", "rte", "--out", str(tmp_path)], capsys)
+    assert "nyu-mll/glue" in err and "--glue_dir" in err
+
+
+def test_no_machine_paths_in_eval_py():
+    text = Path(ev.__file__).read_text()
+    assert "../shared" not in text and "/work/" not in text and "analysis_data" not in text
+
+
+def test_analysis_gets_glue_dir(tmp_path, tiny_model_dir, monkeypatch):
+    seen = {}
+    monkeypatch.setattr(ev.analysis, "run_analysis", lambda args: seen.update(vars(args)))
+    ev.main(["--analysis", "--model", str(tiny_model_dir), "--glue_dir", str(tmp_path)])
+    assert seen["glue_dir"] == str(tmp_path) and seen["model"] == [str(tiny_model_dir)]
 
 
 def test_error_not_a_checkpoint(tmp_path, capsys):
@@ -308,3 +542,17 @@ def test_error_several_models_for_glue(tmp_path, tiny_model_dir, capsys):
     err = run_main_error(["--model", str(tiny_model_dir), str(tiny_model_dir), "--glue_dir", str(tmp_path)], capsys)
     assert "one --model" in err
     assert "--model is required" in run_main_error(["--tasks", "rte"], capsys)
+
+
+TEST_ROWS = {"CoLA": 1063, "SST-2": 1821, "MRPC": 1725, "STS-B": 1379, "QNLI": 5463, "RTE": 3000, "WNLI": 146,
+             "AX": 1104}  # shared/data/SOURCES.md
+
+
+@pytest.mark.skipif(not GLUE_DIR.is_dir(), reason="shared/data/glue not present")
+@pytest.mark.parametrize("stem", TEST_ROWS)
+def test_real_glue_test_sets(stem):
+    name, rel, _, _ = ev.SUBMISSIONS[stem]
+    ds = ev.read_tsv(str(GLUE_DIR / rel), ev.TASKS[name], test=True)
+    assert len(ds) == TEST_ROWS[stem] and ds["index"][:3] == ["0", "1", "2"]
+    assert ("text_b" in ds.column_names) == (len(ev.TASKS[name].tsv_text) == 2)
+    assert all(isinstance(t, str) and t for t in ds["text_a"][:50])
