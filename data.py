@@ -4,23 +4,33 @@ Tokenizer, corpus -> cached token stream, and packed-block batches for BERT pret
 - Tokenizer: uncased BERT WordPiece from the `tokenizers` package, specials in BERT order
   [PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3 [MASK]=4. A Hugging Face vocab.txt / tokenizer dir loads too
   (bert-base-uncased keeps its own ids 0/100/101/102/103: always go through special_token_ids).
+  Training is deterministic: the same text gives the same vocabulary, ids included (see
+  train_tokenizer: `tokenizers` alone gave 5,711 of 30,522 ids and 10 tokens different between
+  two trainings on the same 20 MB of Wikipedia).
 - Corpus: a `datasets` hub name ("wikitext:wikitext-103-raw-v1" = load_dataset("wikitext",
   "wikitext-103-raw-v1")) or a local file / directory / glob of .txt .raw .jsonl .parquet,
   optionally .xz/.gz compressed (datasets 5 decompresses them on the fly). Documents are
   separated by one [SEP]. A document starts at each file, each jsonl/parquet row, each
   WikiExtractor `<doc ...>` line (the <doc>/</doc> lines themselves are dropped) and each
   WikiText top-level heading ` = Title = `. Blank lines are dropped; the lines of a document
-  are concatenated (RoBERTa-style full-sentence packing).
+  are concatenated (RoBERTa-style full-sentence packing). A file that is not UTF-8 text, a broken
+  .jsonl or a fake .gz is one ValueError naming the file.
+- SAMPLE_CORPUS (the default) ships in assets/: the WikiText-2 raw test split, 1.3 MB of real
+  Wikipedia text (0.37 MB as .xz), enough for smoke runs and tests without a network.
+  HUB_CORPUS is the English Wikipedia default of the small/base presets.
 - The stream is tokenized once into cache_dir/tokens-<key>.<dtype>.bin (np.memmap), keyed by
-  the data files (path, size, mtime), the tokenizer and FORMAT_VERSION. Without a tokenizer
-  path, one is trained on the corpus and cached in cache_dir/tokenizer-<key>/.
+  the data files (path, size, mtime), the tokenizer and FORMAT_VERSION. A sidecar .json written
+  after the .bin holds its size and checksum: a truncated, corrupted or half-written cache is
+  rebuilt, never trained on. Without a tokenizer path, one is trained on the corpus and cached in
+  cache_dir/tokenizer-<key>/ (rebuilt too if its files are unreadable).
   On 2 cores, enwiki AA.txt.xz (100 MB, 21.6M tokens): 5 s load + 23 s tokenizer training +
   35 s tokenization. Tokenizers' parallel encode_batch_fast was as fast as
   datasets.map(num_proc=2) (34 s vs 37 s) without forking or a second arrow cache.
 - Validation = the tail of the stream: val_fraction of the tokens, but at least VAL_MIN_TOKENS
   (32 blocks of 512) unless that exceeds 10% of the corpus, moved back to a document start.
-- BlockLoader: rows [CLS] + seq_len-2 stream tokens + [SEP] from non-overlapping windows, in a
-  seeded per-epoch permutation; exact resume via state_dict().
+- BlockLoader: rows [CLS] + seq_len-2 stream tokens + [SEP] from non-overlapping windows, one
+  seeded permutation per epoch; its state counts sequences, so a run resumes at the same block
+  with any batch size or number of processes.
 """
 import glob
 import hashlib
@@ -29,7 +39,9 @@ import math
 import os
 import re
 import shutil
+import string
 import time
+import unicodedata
 from itertools import chain
 from pathlib import Path
 
@@ -39,13 +51,30 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from tqdm import tqdm
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-DEFAULT_DATA = "wikitext:wikitext-103-raw-v1"
+SAMPLE_CORPUS = str(Path(__file__).resolve().parent / "assets" / "wikitext2_test.raw.xz")
+# The papers pretrain on English Wikipedia + BookCorpus; BookCorpus is no longer openly
+# distributed, so the hub default is English Wikipedia alone ("name:config" for load_dataset).
+HUB_CORPUS = "wikimedia/wikipedia:20231101.en"
+DEFAULT_DATA = SAMPLE_CORPUS  # smoke runs and tests need no network
 FORMAT_VERSION = 1  # bump when the stream layout changes: old caches are then ignored
 VAL_MIN_TOKENS = 16384
 BUILDERS = {".txt": "text", ".raw": "text", ".jsonl": "json", ".parquet": "parquet"}  # no .json: dirs hold configs
 COMPRESSIONS = (".xz", ".gz", ".bz2", ".zst")
 WIKITEXT_HEADING = re.compile(r"^ = [^=].* = $")  # top-level only: " == Section == " stays in the doc
 BATCH_ROWS = 2000  # rows per encode_batch call: large enough to keep every core busy
+LIMIT_ALPHABET = 1000  # as HF's BertWordPieceTokenizer: rarer characters map to [UNK]
+CHECKSUM_CHUNKS = 1024  # a token cache over CHECKSUM_CHUNKS x 64 KiB is checksummed on that many samples
+
+
+def _first_line(e):
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+
+
+def _write_atomic(path, text):
+    """Write text to path via a temporary file and os.replace: a kill never leaves a partial file."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    Path(tmp).write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
 
 # ----------------------------------------------------------------------------- tokenizer
 
@@ -63,32 +92,85 @@ def _add_template(tok):
         single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
         special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
 
+def _alphabet(texts, normalizer, limit):
+    """The `limit` most frequent characters after normalization (ties by code point), and those of
+    them that can continue a word (not punctuation, not CJK, which the pre-tokenizer isolates)."""
+    counts, buffer = np.zeros(0x110000, dtype=np.int64), []
+    def count(strings):  # numpy on UTF-32 code points: ~100x faster than normalizing the text itself
+        codes = np.frombuffer("".join(strings).encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+        found = np.bincount(codes)
+        counts[:len(found)] += found
+    for item in texts:
+        buffer.extend([item] if isinstance(item, str) else [t for t in item if t])
+        if len(buffer) >= 4096:
+            count(buffer)
+            buffer = []
+    count(buffer)
+    # normalizing each distinct raw character = normalizing the text: BertNormalizer is per character
+    normalized = {}
+    for code in np.flatnonzero(counts):
+        for c in normalizer.normalize_str(chr(code)):
+            if not c.isspace():
+                normalized[c] = normalized.get(c, 0) + int(counts[code])
+    kept = sorted(sorted(normalized, key=lambda c: (-normalized[c], c))[:limit])
+    continuing = [c for c in kept if normalizer.normalize_str(c) == c and c not in string.punctuation
+                  and not unicodedata.category(c).startswith("P")]
+    return kept, continuing
+
 def train_tokenizer(texts, vocab_size=30522, save_dir=None):
-    """Train an uncased BERT WordPiece tokenizer on strings (or batches of strings)."""
+    """Train an uncased BERT WordPiece tokenizer, deterministically.
+
+    texts: a list of strings, or a function returning a fresh iterator over strings or lists of
+    strings; it is read twice (the alphabet, then the training).
+    """
+    read = texts if callable(texts) else lambda: iter(texts)
     tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
     _bert_pipeline(tok)
-    # limit_alphabet=1000 as HF's BertWordPieceTokenizer: rarer characters map to [UNK]
-    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                        continuing_subword_prefix="##", limit_alphabet=1000)
-    tok.train_from_iterator(texts, trainer)
+    # `tokenizers` trains non-deterministically: it gives the "##x" tokens ids in the iteration order
+    # of a randomly seeded Rust HashMap, merges of equal count are then ordered by those ids, and the
+    # alphabet limit drops characters of equal count in hash order. Fixing the alphabet ourselves
+    # (initial_alphabet with limit_alphabet = its size) and the "##x" ids (passed as leading special
+    # tokens, demoted to ordinary vocabulary below) makes every id reproducible.
+    alphabet, continuing = _alphabet(read(), tok.normalizer, LIMIT_ALPHABET)
+    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, continuing_subword_prefix="##",
+                                        special_tokens=SPECIAL_TOKENS + ["##" + c for c in continuing],
+                                        initial_alphabet=alphabet, limit_alphabet=len(alphabet))
+    tok.train_from_iterator(read(), trainer)
+    tok = Tokenizer(models.WordPiece(tok.get_vocab(), unk_token="[UNK]"))  # "##x" as plain tokens again
+    _bert_pipeline(tok)
+    tok.add_special_tokens(SPECIAL_TOKENS)
     _add_template(tok)
     if save_dir is not None:
         save_tokenizer(tok, save_dir)
     return tok
 
 def load_tokenizer(path):
-    """Load tokenizer.json, a WordPiece vocab.txt, or a directory holding either."""
+    """Load tokenizer.json, a WordPiece vocab.txt, or a directory holding either.
+
+    An empty, truncated or otherwise unreadable file is one ValueError naming it."""
     path, lowercase = Path(path), True
     if path.is_dir():
         config = path / "tokenizer_config.json"
         if config.exists():
-            lowercase = json.loads(config.read_text()).get("do_lower_case", True)
+            try:
+                lowercase = json.loads(config.read_text(encoding="utf-8")).get("do_lower_case", True)
+            except (ValueError, AttributeError) as e:
+                raise ValueError(f"cannot read tokenizer config {config}: {_first_line(e)}") from None
         path = path / "tokenizer.json" if (path / "tokenizer.json").exists() else path / "vocab.txt"
     if not path.is_file():
         raise ValueError(f"tokenizer not found: {path}")
     if path.suffix == ".json":
-        tok = Tokenizer.from_file(str(path))
+        try:
+            tok = Tokenizer.from_file(str(path))
+        except Exception as e:  # the Rust loader's error: "EOF while parsing a value at line 1..."
+            raise ValueError(f"cannot read tokenizer {path}: {_first_line(e)}") from None
     else:
+        try:
+            words = path.read_text(encoding="utf-8").splitlines()
+        except UnicodeDecodeError as e:
+            raise ValueError(f"cannot read vocabulary {path}: not UTF-8 text ({e.reason})") from None
+        if "[UNK]" not in words:  # also catches an empty or truncated file
+            raise ValueError(f"vocabulary {path} has no [UNK] line: empty, truncated or not a WordPiece vocab.txt")
         tok = Tokenizer(models.WordPiece.from_file(str(path), unk_token="[UNK]"))
         _bert_pipeline(tok, lowercase)
         tok.add_special_tokens(SPECIAL_TOKENS)  # tokens already in the vocab keep their ids
@@ -98,21 +180,21 @@ def load_tokenizer(path):
     return tok
 
 def save_tokenizer(tok, dir):
-    """Write tokenizer.json + vocab.txt + HF configs, so transformers.AutoTokenizer loads dir."""
+    """Write tokenizer.json + vocab.txt + HF configs (each atomically), so transformers.AutoTokenizer loads dir."""
     dir = Path(dir)
     dir.mkdir(parents=True, exist_ok=True)
-    tok.save(str(dir / "tokenizer.json"))
     vocab = tok.get_vocab()
     words = sorted(vocab, key=vocab.get)
     assert [vocab[w] for w in words] == list(range(len(words))), "vocab ids must be 0..V-1"
-    (dir / "vocab.txt").write_text("\n".join(words) + "\n", encoding="utf-8")
+    _write_atomic(dir / "tokenizer.json", tok.to_str(pretty=True))
+    _write_atomic(dir / "vocab.txt", "\n".join(words) + "\n")
     lowercase = (json.loads(tok.to_str()).get("normalizer") or {}).get("lowercase", True)
     specials = dict(unk_token="[UNK]", sep_token="[SEP]", pad_token="[PAD]",
                     cls_token="[CLS]", mask_token="[MASK]")
     config = dict(tokenizer_class="BertTokenizerFast", do_lower_case=lowercase,
                   model_max_length=512, **specials)
-    (dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-    (dir / "special_tokens_map.json").write_text(json.dumps(specials, indent=2))
+    _write_atomic(dir / "tokenizer_config.json", json.dumps(config, indent=2))
+    _write_atomic(dir / "special_tokens_map.json", json.dumps(specials, indent=2))
 
 def special_token_ids(tok):
     """dict(pad=, unk=, cls=, sep=, mask=) ids: 0..4 for ours, 0/100/101/102/103 for bert-base."""
@@ -153,8 +235,31 @@ def _resolve_files(data):
             raise ValueError(f"empty data file: {f}")
     return files
 
+def _read_problem(e):
+    """The innermost cause of a datasets error, in words (DatasetGenerationError says only "An error occurred")."""
+    while e.__cause__ is not None:  # explicit causes only: a context may be a fallback parser's error
+        e = e.__cause__
+    if isinstance(e, UnicodeDecodeError):
+        return f"not UTF-8 text ({e.reason} at byte {e.start}): a binary file, or convert it with iconv -t UTF-8"
+    return _first_line(e)
+
+def _load_local(datasets, builder, split_files, hf_cache):
+    """load_dataset for local files; a file it cannot read is one ValueError naming that file."""
+    try:
+        return datasets.load_dataset(builder, data_files=split_files, cache_dir=hf_cache)
+    except Exception as e:
+        culprit, problem = ", ".join(split_files.values()), _read_problem(e)
+        if len(split_files) > 1:  # find the file to blame, one at a time (error path only)
+            for name, f in split_files.items():
+                try:
+                    datasets.load_dataset(builder, data_files={name: f}, cache_dir=hf_cache)
+                except Exception as e_file:
+                    culprit, problem = f, _read_problem(e_file)
+                    break
+        raise ValueError(f"cannot read {culprit} as {builder}: {problem}") from None
+
 def _load_corpus(data, files, cache_dir):
-    """[(kind, Dataset with a "text" column)] in corpus order; kind "lines" or "docs" (row = document)."""
+    """[(kind, Dataset with a "text" column, name)] in corpus order; kind "lines" or "docs" (row = document)."""
     import datasets  # imported here: it costs ~2 s and is only needed on a cache miss
     datasets.disable_progress_bars()  # our own bar below is enough
     hf_cache = str(Path(cache_dir) / "hf")
@@ -164,22 +269,27 @@ def _load_corpus(data, files, cache_dir):
             ds = datasets.load_dataset(name, config or None, split="train", cache_dir=hf_cache)
         except Exception as e:  # offline, or no such dataset: one line, with the way out
             raise ValueError(f"--data {data!r} is neither a local path nor a loadable hub dataset "
-                             f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
-                             f"without internet pass --data FILE|DIR|GLOB") from None
+                             f"({_first_line(e)}); without internet pass --data FILE|DIR|GLOB, "
+                             f"e.g. the bundled sample --data {SAMPLE_CORPUS}") from None
         # WikiText rows are lines (articles start at headings); other hub corpora have a doc per row
-        return [("lines" if name.endswith("wikitext") else "docs", ds.select_columns(["text"]))]
+        return [("lines" if name.endswith("wikitext") else "docs", ds.select_columns(["text"]), data)]
     # one split per file, one load_dataset call per builder: file boundaries stay visible
     builders = [_builder(f) or "text" for f in files]  # an explicitly named odd suffix reads as text
     splits = {}
     for i, (f, builder) in enumerate(zip(files, builders)):
         splits.setdefault(builder, {})[f"file{i}"] = str(f)
-    loaded = {b: datasets.load_dataset(b, data_files=s, cache_dir=hf_cache) for b, s in splits.items()}
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # our ValueError says it in one line
+    try:
+        loaded = {b: _load_local(datasets, b, s, hf_cache) for b, s in splits.items()}
+    finally:
+        datasets.logging.set_verbosity(verbosity)
     parts = []
     for i, (f, builder) in enumerate(zip(files, builders)):
         ds = loaded[builder][f"file{i}"]
         if "text" not in ds.column_names:
             raise ValueError(f"no 'text' field in {f}")
-        parts.append(("lines" if builder == "text" else "docs", ds.select_columns(["text"])))
+        parts.append(("lines" if builder == "text" else "docs", ds.select_columns(["text"]), str(f)))
     return parts
 
 def _line_pieces(rows):
@@ -204,9 +314,11 @@ def _doc_pieces(rows):
 def _pieces(parts, progress=None):
     """Yield batches of text pieces in corpus order; None = document boundary (never first or twice)."""
     started = False
-    for kind, ds in parts:
+    for kind, ds, name in parts:
         boundary = True  # every file starts a document
         for batch in ds.iter(batch_size=BATCH_ROWS):
+            if any(text and "\x00" in text for text in batch["text"]):  # valid UTF-8, but not text
+                raise ValueError(f"cannot read {name}: NUL bytes in the text (a binary file?)")
             out = []
             for piece in (_line_pieces if kind == "lines" else _doc_pieces)(batch["text"]):
                 if piece is None:
@@ -225,7 +337,7 @@ def _tokenize(tok, parts, path, dtype, data):
     sep = special_token_ids(tok)["sep"]
     tmp, n = f"{path}.tmp{os.getpid()}", 0
     # disable=None: a bar on a terminal, nothing in logs and captured output
-    bar = tqdm(total=sum(len(ds) for _, ds in parts), unit="rows", desc="tokenizing", disable=None)
+    bar = tqdm(total=sum(len(ds) for _, ds, _ in parts), unit="rows", desc="tokenizing", disable=None)
     with open(tmp, "wb") as f:
         for pieces in _pieces(parts, bar):
             # encode_batch_fast runs on every core and skips the offsets we don't need
@@ -240,10 +352,60 @@ def _tokenize(tok, parts, path, dtype, data):
         os.remove(tmp)
         raise ValueError(f"no text in {data}")
     os.replace(tmp, path)
+    # the sidecar comes last: a run killed before this line leaves a .bin that _cache_ok rejects
+    _write_atomic(_sidecar(path), json.dumps({"bytes": path.stat().st_size, "checksum": _checksum(path)}))
     return n
 
 def _hash(obj):
     return hashlib.sha1(json.dumps(obj).encode()).hexdigest()[:16]
+
+def _sidecar(path):
+    return path.with_suffix(".json")  # tokens-KEY.uint16.bin -> tokens-KEY.uint16.json
+
+def _checksum(path, chunk=1 << 16):
+    """sha1 of the file, or of CHECKSUM_CHUNKS evenly spaced 64 KiB chunks of a larger one (64 MiB
+    read, ~0.1 s, whatever the size; the size check still catches any truncation)."""
+    size, h = os.path.getsize(path), hashlib.sha1()
+    with open(path, "rb") as f:
+        if size <= chunk * CHECKSUM_CHUNKS:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        else:
+            for i in range(CHECKSUM_CHUNKS):
+                f.seek(i * (size - chunk) // (CHECKSUM_CHUNKS - 1))
+                h.update(f.read(chunk))
+    return h.hexdigest()
+
+def _cache_ok(path):
+    """True when the token cache exists and matches the size and checksum in its sidecar."""
+    if not path.exists():
+        return False
+    try:
+        meta = json.loads(_sidecar(path).read_text())
+        if path.stat().st_size == meta["bytes"] and _checksum(path) == meta["checksum"]:
+            return True
+        problem = "size or checksum differs from its sidecar"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        problem = f"no valid sidecar ({type(e).__name__})"
+    print(f"token cache {path} is incomplete or corrupt ({problem}): rebuilding it")
+    return False
+
+def _cached_tokenizer(dir):
+    """The tokenizer cached in dir, or None when it is missing or one of its files is unreadable."""
+    if not dir.exists():
+        return None
+    try:
+        tok = load_tokenizer(dir / "tokenizer.json")
+        words = (dir / "vocab.txt").read_text(encoding="utf-8").splitlines()
+        vocab = tok.get_vocab()
+        if words != sorted(vocab, key=vocab.get):
+            raise ValueError("vocab.txt disagrees with tokenizer.json")
+        load_tokenizer(dir)  # the configs, as transformers and eval.py will read them
+        return tok
+    except (ValueError, OSError) as e:
+        print(f"cached tokenizer {dir} is unreadable ({str(e)[:200]}): training it again")
+        shutil.rmtree(dir)
+        return None
 
 def split_train_val(tokens, val_fraction, sep_id):
     """Hold out the tail of the stream (deterministic), starting at a document start if one is near."""
@@ -270,21 +432,21 @@ def prepare_data(data=DEFAULT_DATA, cache_dir="cache", tokenizer=None, vocab_siz
     parts = None  # the corpus is only loaded on a cache miss
     if tokenizer is None:
         tokenizer = cache / f"tokenizer-{data_key}-{vocab_size}"
-        if not tokenizer.exists():
+        if _cached_tokenizer(tokenizer) is None:
             parts = _load_corpus(data, files, cache)
             t0, tmp = time.time(), f"{tokenizer}.tmp{os.getpid()}"
-            texts = ([p for p in pieces if p is not None] for pieces in _pieces(parts))
+            texts = lambda: ([p for p in pieces if p is not None] for pieces in _pieces(parts))
             trained = train_tokenizer(texts, vocab_size, save_dir=tmp)
             print(f"trained a {trained.get_vocab_size()}-token tokenizer in {time.time() - t0:.1f}s")
             try:
                 os.replace(tmp, tokenizer)
-            except OSError:  # another process (DDP rank) got there first: theirs is identical
+            except OSError:  # another process got there first: theirs is identical (training is deterministic)
                 shutil.rmtree(tmp)
     tok = load_tokenizer(tokenizer)
     dtype = np.uint16 if tok.get_vocab_size() < 2**16 else np.uint32
     key = _hash([data_key, hashlib.sha1(tok.to_str().encode()).hexdigest()])
     path = cache / f"tokens-{key}.{np.dtype(dtype).name}.bin"
-    if not path.exists():
+    if not _cache_ok(path):
         parts = parts or _load_corpus(data, files, cache)
         t0 = time.time()
         n = _tokenize(tok, parts, path, dtype, data)
@@ -298,10 +460,13 @@ def prepare_data(data=DEFAULT_DATA, cache_dir="cache", tokenizer=None, vocab_siz
 class BlockLoader:
     """Packed rows [CLS] + seq_len-2 consecutive stream tokens + [SEP], in a seeded order.
 
-    Global step k of an epoch takes blocks order[k*G:(k+1)*G], G = batch_size * world_size, and
-    rank r the slice [r*batch_size:(r+1)*batch_size] of those: the ranks' batches concatenated
-    equal the batch of one process with batch_size*world_size. Blocks left over after the last
-    full global batch are skipped that epoch (a different random few each epoch).
+    All processes read one global stream of blocks: epoch e is the permutation
+    default_rng([seed, e]).permutation(num_blocks), the epochs one after another (a batch may
+    straddle two; no block is ever skipped). The state is N, the sequences consumed so far by all
+    ranks together: next_batch() on rank r takes stream positions [N + r*B, N + (r+1)*B), B =
+    batch_size, then advances N by B*world_size. So the ranks' batches concatenated equal one
+    process's batch of B*world_size, and a run resumed with any batch_size or world_size continues
+    at exactly sequence N. Every rank holds the same N: save one state, not one per rank.
     """
 
     def __init__(self, tokens, seq_len, batch_size, cls_id, sep_id, rank=0, world_size=1,
@@ -311,28 +476,49 @@ class BlockLoader:
         self.tokens, self.seq_len, self.block_len = tokens, seq_len, seq_len - 2
         self.batch_size, self.rank, self.world_size, self.seed = batch_size, rank, world_size, seed
         self.cls_id, self.sep_id, self.device = cls_id, sep_id, torch.device(device)
-        self.num_blocks = len(tokens) // self.block_len
+        self.num_blocks = len(tokens) // self.block_len  # sequences per epoch
         global_batch = batch_size * world_size
         if self.num_blocks < global_batch:
             raise ValueError(f"token stream has {len(tokens):,} tokens but one batch of {global_batch}"
                              f" x {seq_len} needs {global_batch * self.block_len:,}")
-        self.steps_per_epoch = self.num_blocks // global_batch
-        self.load_state_dict({"epoch": 0, "step": 0})
+        self.sequences = 0
+        self._epoch, self._order = None, None  # the permutation of the epoch read last
 
     def state_dict(self):
-        return {"epoch": self.epoch, "step": self.step}
+        return {"sequences": self.sequences}
 
     def load_state_dict(self, state):
-        self.epoch, self.step = int(state["epoch"]), int(state["step"])
-        # the order depends on (seed, epoch) only, so any position can be restored exactly
-        self.order = np.random.default_rng([self.seed, self.epoch]).permutation(self.num_blocks)
+        if "sequences" in state:
+            sequences = int(state["sequences"])
+        elif "epoch" in state and "step" in state:
+            # the previous format: `step` global batches of B*world_size into `epoch`, exact when resumed
+            # with the same batch_size and world_size (the only layout that format could resume)
+            sequences = int(state["epoch"]) * self.num_blocks + int(state["step"]) * self.batch_size * self.world_size
+        else:
+            raise ValueError(f"data loader state {state!r} has no 'sequences' count")
+        if sequences < 0:
+            raise ValueError(f"data loader state {state!r}: negative position")
+        self.sequences = sequences
+
+    def epochs_done(self):
+        """Passes over the data so far (a float): sequences consumed / num_blocks."""
+        return self.sequences / self.num_blocks
+
+    def _blocks(self, start, count):
+        """Block indices at stream positions [start, start + count)."""
+        positions = np.arange(start, start + count)
+        epochs, offsets = np.divmod(positions, self.num_blocks)
+        blocks = np.empty(count, dtype=np.int64)
+        for epoch in np.unique(epochs):  # at most two: a batch is never longer than an epoch
+            if epoch != self._epoch:  # the order depends on (seed, epoch) only: any position is exact
+                self._epoch = epoch
+                self._order = np.random.default_rng([self.seed, int(epoch)]).permutation(self.num_blocks)
+            blocks[epochs == epoch] = self._order[offsets[epochs == epoch]]
+        return blocks
 
     def next_batch(self):
-        if self.step >= self.steps_per_epoch:
-            self.load_state_dict({"epoch": self.epoch + 1, "step": 0})
-        start = (self.step * self.world_size + self.rank) * self.batch_size
-        blocks = self.order[start:start + self.batch_size]
-        self.step += 1
+        blocks = self._blocks(self.sequences + self.rank * self.batch_size, self.batch_size)
+        self.sequences += self.batch_size * self.world_size
         rows = np.empty((self.batch_size, self.seq_len), dtype=np.int64)
         rows[:, 0], rows[:, -1] = self.cls_id, self.sep_id
         for i, block in enumerate(blocks):

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from tokenizers.normalizers import BertNormalizer
 
 import data
 
@@ -68,6 +69,52 @@ def test_save_load_roundtrip(tok_dir, tmp_path):
     expected = tok.encode(text).ids
     for path in ["saved", "saved/tokenizer.json", "saved/vocab.txt"]:
         assert data.load_tokenizer(tmp_path / path).encode(text).ids == expected, path
+
+
+def test_training_is_deterministic():
+    # plain `tokenizers` training gave the "##x" tokens different ids on each call, even in one process
+    text = [_paragraph(i, 200) + " Zürich naïve Ωmega fjord 1989 x-ray ##hash" for i in range(40)]
+    first = data.train_tokenizer(text, vocab_size=150)
+    for _ in range(3):
+        assert data.train_tokenizer(text, vocab_size=150).get_vocab() == first.get_vocab()
+    vocab = first.get_vocab()
+    assert sorted(vocab.values()) == list(range(len(vocab))) and len(vocab) == 150
+    assert "##" + "a" in vocab and "##." not in vocab  # punctuation never continues a word
+    assert data.special_token_ids(first) == dict(pad=0, unk=1, cls=2, sep=3, mask=4)
+    assert first.decode(first.encode("Zürich fjord").ids) == "zurich fjord"  # no [UNK]: the alphabet is whole
+    assert first.encode("##a").tokens == ["[CLS]", "#", "#", "a", "[SEP]"]  # "##a" is no special token
+
+
+def test_alphabet_limit_ties_are_deterministic():
+    # 30 characters seen once each, only 10 kept: ties broken by code point, not by hash order
+    rare = "".join(chr(0x3b1 + i) for i in range(20)) + "klmnopqrst"
+    alphabet, continuing = data._alphabet([["AAA bbb cCc", rare]], BertNormalizer(lowercase=True), limit=13)
+    assert alphabet == sorted(["a", "b", "c"] + sorted(rare)[:10])
+    assert continuing == alphabet
+
+
+def test_save_is_atomic_and_corrupt_files_are_one_error(tok_dir, tmp_path, monkeypatch):
+    tok = data.load_tokenizer(tok_dir)
+    data.save_tokenizer(tok, tmp_path / "saved")
+    good = (tmp_path / "saved/vocab.txt").read_text()
+
+    def killed(src, dst):  # the process dies before the rename: the old file must survive intact
+        raise KeyboardInterrupt
+    monkeypatch.setattr(data.os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        data.save_tokenizer(tok, tmp_path / "saved")
+    monkeypatch.undo()
+    assert (tmp_path / "saved/vocab.txt").read_text() == good
+    assert data.load_tokenizer(tmp_path / "saved").get_vocab() == tok.get_vocab()
+
+    for name, content in [("tokenizer.json", ""), ("tokenizer.json", '{"version": "1.0", "mod'),
+                          ("vocab.txt", ""), ("vocab.txt", "[PAD]\nthe\n"), ("vocab.txt", b"\xff\xfe[UNK]")]:
+        d = tmp_path / f"bad{len(list(tmp_path.iterdir()))}"
+        d.mkdir()
+        (d / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+        with pytest.raises(ValueError, match=re.escape(str(d / name))) as info:
+            data.load_tokenizer(d)
+        assert "\n" not in str(info.value)
 
 
 def test_hf_style_vocab(tmp_path):
@@ -187,8 +234,79 @@ def test_unreachable_hub_dataset_is_one_clear_error(tok_dir, tmp_path, monkeypat
         raise ConnectionError("Couldn't reach 'wikitext' on the Hub (LocalEntryNotFoundError)")
     import datasets
     monkeypatch.setattr(datasets, "load_dataset", offline)  # no network in tests, whatever the machine
-    with pytest.raises(ValueError, match="without internet pass --data"):
-        data.prepare_data("wikitext:wikitext-103-raw-v1", tmp_path / "cache", tokenizer=tok_dir)
+    with pytest.raises(ValueError, match="without internet pass --data") as info:
+        data.prepare_data(data.HUB_CORPUS, tmp_path / "cache", tokenizer=tok_dir)
+    assert data.SAMPLE_CORPUS in str(info.value) and "\n" not in str(info.value)
+
+
+UNREADABLE = {  # file name -> (bytes, words the one-line error must contain)
+    "latin1.txt": ("café au lait\n".encode("latin-1"), "not UTF-8"),
+    "image.txt": (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(range(256)), "not UTF-8"),
+    "nul.txt": (b"text\x00\x00\x00\x01\x02 more\n", "NUL bytes"),
+    "broken.jsonl": (b'{"text": "fine"}\n{"text": "no closing quote}\n', "JSON parse error"),
+    "fake.txt.gz": (b"plain text, not gzip\n", "Not a gzipped file"),
+    "fake.txt.xz": (b"plain text, not xz\n", "LZMAError"),
+}
+
+
+@pytest.mark.parametrize("name", UNREADABLE)
+def test_unreadable_corpus_is_one_clear_error(tok_dir, tmp_path, name):
+    content, problem = UNREADABLE[name]
+    (tmp_path / name).write_bytes(content)
+    (tmp_path / "good.txt").write_text(_paragraph(0))  # in a directory, the bad file is still named
+    for data_arg in [tmp_path / name, tmp_path]:
+        with pytest.raises(ValueError) as info:
+            data.prepare_data(str(data_arg), tmp_path / "cache", tokenizer=tok_dir)
+        message = str(info.value)
+        assert str(tmp_path / name) in message and problem in message and "\n" not in message, message
+
+
+def test_corrupt_token_cache_is_rebuilt(tok_dir, tmp_path, capsys):
+    path = tmp_path / "a.txt"
+    path.write_text(_wikiextractor_text())
+    original = _stream(tok_dir, path, tmp_path)[1].copy()  # a copy: the stream is a view of the file
+    cached = next((tmp_path / "cache").glob("tokens-*.bin"))
+    sidecar = json.loads(cached.with_suffix(".json").read_text())
+    assert sidecar["bytes"] == cached.stat().st_size == original.nbytes
+    damages = {
+        "truncated": lambda: cached.write_bytes(cached.read_bytes()[:-7]),
+        "flipped byte": lambda: cached.write_bytes(cached.read_bytes()[:50] + b"\xff" + cached.read_bytes()[51:]),
+        "killed before the sidecar": lambda: cached.with_suffix(".json").unlink(),
+        "empty sidecar": lambda: cached.with_suffix(".json").write_text(""),
+    }
+    for damage, apply in damages.items():
+        apply()
+        capsys.readouterr()
+        _, rebuilt = _stream(tok_dir, path, tmp_path)
+        assert "rebuilding" in capsys.readouterr().out, damage
+        assert np.array_equal(rebuilt, original), damage
+        assert np.array_equal(np.fromfile(cached, dtype=original.dtype), original), damage
+    _stream(tok_dir, path, tmp_path)
+    assert "rebuilding" not in capsys.readouterr().out  # an intact cache is reused silently
+
+
+def test_checksum_samples_large_files(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "CHECKSUM_CHUNKS", 4)  # 4 x 64 KiB: a 1 MiB file is sampled
+    path = tmp_path / "big.bin"
+    blob = bytearray(np.random.default_rng(0).bytes(1 << 20))
+    path.write_bytes(blob)
+    before = data._checksum(path)
+    blob[-1] ^= 1  # the last chunk is always sampled
+    path.write_bytes(blob)
+    assert data._checksum(path) != before
+
+
+def test_corrupt_cached_tokenizer_is_retrained(tmp_path, capsys):
+    path = tmp_path / "a.txt"
+    path.write_text(_wikiextractor_text())
+    tok, train, _ = data.prepare_data(str(path), tmp_path / "cache", vocab_size=200)
+    tok_cache = next((tmp_path / "cache").glob("tokenizer-*"))
+    for name, content in [("tokenizer.json", ""), ("vocab.txt", "[PAD]\n"), ("tokenizer_config.json", "{")]:
+        (tok_cache / name).write_text(content)
+        capsys.readouterr()
+        tok2, train2, _ = data.prepare_data(str(path), tmp_path / "cache", vocab_size=200)
+        assert "training it again" in capsys.readouterr().out, name
+        assert tok2.get_vocab() == tok.get_vocab() and np.array_equal(train2, train), name  # deterministic
 
 
 # ----------------------------------------------------------------------------- BlockLoader
@@ -201,20 +319,42 @@ def _loader(tokens, **kw):
 TOKENS = np.arange(5, 5 + 8 * 100, dtype=np.uint16)  # 100 blocks of 8; values identify positions
 
 
+def _starts(batch):
+    return ((batch[:, 1] - 5) // 8).tolist()  # block index of each row (TOKENS values are positions)
+
+
+def _reference_stream(num_blocks, seed, count):
+    """The first `count` blocks of the global stream: epoch permutations back to back."""
+    epochs = range(count // num_blocks + 1)
+    return np.concatenate([np.random.default_rng([seed, e]).permutation(num_blocks) for e in epochs])[:count]
+
+
 def test_blockloader_rows():
     loader = _loader(TOKENS)
-    assert loader.steps_per_epoch == 25
+    assert loader.num_blocks == 100
     seen = []
-    for _ in range(loader.steps_per_epoch):
+    for _ in range(25):
         batch = loader.next_batch()
         assert batch.dtype == torch.long and batch.shape == (4, 10)
         assert (batch[:, 0] == 2).all() and (batch[:, -1] == 3).all()
-        starts = (batch[:, 1] - 5).numpy()
-        assert (starts % 8 == 0).all()  # non-overlapping windows
+        assert ((batch[:, 1] - 5) % 8 == 0).all()  # non-overlapping windows
         assert (batch[:, 1:-1] == batch[:, 1:2] + torch.arange(8)).all()  # consecutive tokens
-        seen += list(starts // 8)
+        seen += _starts(batch)
     assert sorted(seen) == list(range(100))  # one epoch = every block once
-    assert loader.next_batch() is not None and loader.epoch == 1
+    assert loader.state_dict() == {"sequences": 100} and loader.epochs_done() == 1.0
+
+
+def test_blockloader_epochs_straddle_and_cover():
+    # 100 blocks in batches of 3 x 2 ranks: global batches straddle epochs, no block is skipped
+    ranks = [_loader(TOKENS, batch_size=3, rank=r, world_size=2) for r in range(2)]
+    stream = []
+    for _ in range(60):  # 360 sequences: 3.6 epochs
+        stream += sum((_starts(r.next_batch()) for r in ranks), [])
+    assert stream == _reference_stream(100, 0, 360).tolist()
+    for epoch in range(3):
+        assert sorted(stream[epoch * 100:(epoch + 1) * 100]) == list(range(100))  # each block once per epoch
+    assert stream[:100] != stream[100:200]  # a new order each epoch
+    assert ranks[0].state_dict() == ranks[1].state_dict() == {"sequences": 360}
 
 
 def test_blockloader_deterministic_and_resume():
@@ -234,9 +374,40 @@ def test_blockloader_deterministic_and_resume():
 def test_blockloader_ddp_slicing():
     single = _loader(TOKENS, batch_size=6)
     ranks = [_loader(TOKENS, batch_size=3, rank=r, world_size=2) for r in range(2)]
-    assert single.steps_per_epoch == ranks[0].steps_per_epoch == 16
-    for _ in range(40):  # several epochs, including the skipped tail blocks
+    for _ in range(40):  # several epochs, with global batches across epoch boundaries
         assert torch.equal(single.next_batch(), torch.cat([r.next_batch() for r in ranks]))
+
+
+def test_blockloader_resume_with_another_layout():
+    # 3 batches of B=4 on 1 process, then resume on 2 ranks of B=2 (and later 1 process of B=7):
+    # the concatenated batches continue the uninterrupted B=4 stream exactly
+    uninterrupted = _loader(TOKENS, batch_size=4)
+    expected = torch.cat([uninterrupted.next_batch() for _ in range(40)])
+    first = _loader(TOKENS, batch_size=4)
+    got = [first.next_batch() for _ in range(3)]
+    state = first.state_dict()
+    assert state == {"sequences": 12}
+    ranks = [_loader(TOKENS, batch_size=2, rank=r, world_size=2) for r in range(2)]
+    for r in ranks:
+        r.load_state_dict(state)
+    for _ in range(20):
+        got += [r.next_batch() for r in ranks]
+    single = _loader(TOKENS, batch_size=7)
+    single.load_state_dict(ranks[0].state_dict())
+    got += [single.next_batch() for _ in range(10)]
+    got = torch.cat(got)
+    assert len(got) == 12 + 80 + 70
+    assert torch.equal(got[:len(expected)], expected)
+    assert _starts(got) == _reference_stream(100, 0, len(got)).tolist()
+
+
+def test_blockloader_state_formats():
+    old_format = _loader(TOKENS, batch_size=3, world_size=2)
+    old_format.load_state_dict({"epoch": 2, "step": 5})  # 5 global batches of 6 into epoch 2
+    assert old_format.state_dict() == {"sequences": 230}
+    for bad in [{}, {"step": 3}, {"sequences": -1}]:
+        with pytest.raises(ValueError):
+            _loader(TOKENS).load_state_dict(bad)
 
 
 def test_blockloader_too_few_tokens():
@@ -246,16 +417,25 @@ def test_blockloader_too_few_tokens():
 
 # ----------------------------------------------------------------------------- real data
 
-@pytest.mark.skipif(not SHARED_DATA.exists(), reason="shared/data not present")
-def test_wikitext2_test_raw(tmp_path):
-    path = SHARED_DATA / "corpus/wikitext2_raw_test/wiki.test.raw"
+def test_sample_corpus(tmp_path, monkeypatch):
+    # the bundled WikiText-2 test split: the default --data, readable from any working directory
+    assert data.DEFAULT_DATA == data.SAMPLE_CORPUS and Path(data.SAMPLE_CORPUS).is_absolute()
+    assert Path(data.SAMPLE_CORPUS).stat().st_size < 2_000_000
+    monkeypatch.chdir(tmp_path)
     t0 = time.time()
-    tok, train, val = data.prepare_data(str(path), tmp_path, vocab_size=8000)
+    tok, train, val = data.prepare_data(cache_dir="cache", vocab_size=8000)
     assert time.time() - t0 < 30  # the smoke-run corpus must prepare in seconds
     ids = data.special_token_ids(tok)
     assert ids == dict(pad=0, unk=1, cls=2, sep=3, mask=4) and train.dtype == np.uint16
     assert len(train) > 200_000 and len(val) >= data.VAL_MIN_TOKENS
-    assert tok.decode(train[:4].tolist()) == "= robert boulter ="
-    assert (np.asarray(train) == ids["sep"]).sum() > 40  # ~60 articles
+    assert tok.decode(train[:4].tolist()) == "= robert boulter ="  # the CRLF heading line, decoded
+    stream = np.concatenate([train, val])
+    assert (stream == ids["sep"]).sum() == 61  # 62 top-level " = Title = " headings = 62 documents
     batch = data.BlockLoader(val, 128, 8, ids["cls"], ids["sep"]).next_batch()
     assert batch.shape == (8, 128)
+
+
+@pytest.mark.skipif(not SHARED_DATA.exists(), reason="shared/data not present")
+def test_sample_corpus_is_the_wikitext2_test_split():
+    raw = (SHARED_DATA / "corpus/wikitext2_raw_test/wiki.test.raw").read_bytes()
+    assert lzma.decompress(Path(data.SAMPLE_CORPUS).read_bytes()) == raw
