@@ -1,0 +1,479 @@
+"""
+Compare the objectives on equal terms, in one command: pretrain each on the same data, seed
+and recipe; continue TaCL and an MLM control from the MLM checkpoint for the same extra steps;
+fine-tune every run on GLUE with several seeds; run the representation analyses; write
+results.md, results.json and plots.
+
+    python reproduce.py --scale toy  --data corpus.txt --glue_dir GLUE --out_dir out/repro_toy   # CPU, ~1 min
+    python reproduce.py --scale mini --data WIKI_DIR   --glue_dir GLUE --out_dir out/repro_mini  # one GPU, ~25 min
+    python reproduce.py --scale mini ... --only mlm,taco,tacl,mlm_cont                          # some runs, every stage
+    python reproduce.py --scale mini ... --only glue,analysis,report                            # some stages, every run
+
+Every step is a subprocess (`python train.py ...`, `python eval.py ...`), and every stage is
+skipped when its outputs are already there (a killed pretraining run is resumed), so a long
+reproduction can be split over several calls and rerun safely. Runs, in out_dir/:
+
+    mlm, taco, cocolm, electra   pretrained from scratch, --steps steps each
+    tacl, mlm_cont               continued from mlm for --extra_steps: TaCL, and MLM as its control
+
+Stages (--only takes stage names and/or run names): pretrain, continue, glue, analysis, report.
+What the scales mean is in SCALES below, with the reasons for the numbers.
+"""
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+STAGES = ["pretrain", "continue", "glue", "analysis", "report"]
+SCRATCH = ["mlm", "taco", "cocolm", "electra"]  # pretrained from scratch
+CONTINUED = {"tacl": "tacl", "mlm_cont": "mlm"}  # run name -> objective, both --init_from the mlm run
+
+SCALES = {
+    # CPU, seconds: a tiny model, a few dozen steps, GLUE on a few hundred rows, one epoch.
+    # It checks the pipeline end to end (test_reproduce.py runs it); its numbers mean nothing.
+    "toy": dict(
+        train=["--preset", "smoke", "--vocab_size", "1000", "--seq_len", "64", "--batch_size", "8",
+               "--tokens_per_step", "512", "--warmup_steps", "3", "--log_interval", "5", "--eval_interval", "10",
+               "--eval_batches", "1", "--ckpt_interval", "1000", "--val_fraction", "0.05"],
+        steps=20, extra_steps=10, continue_lr=1e-3,
+        glue=["--max_train_samples", "64", "--max_eval_samples", "64", "--epochs", "1", "--max_len", "64"],
+        tasks="cola,stsb", seeds="1,2", analysis=["--num_sentences", "50"]),
+    # One H100, ~25 minutes in all: BERT-small (4 x 512), seq 128, batch 256 (32,768 tokens a step).
+    # 3,000 steps (98M tokens) at MLM's 2.4M tokens/s is ~45 s of MLM (TACO 1.5x, ELECTRA 1.7x,
+    # COCO-LM 2.6x): about 7 minutes for the four with start-up, compile and evaluations. A short
+    # schedule wants a higher peak lr than TACO's 1e-4 at 250k steps: 5e-4 (ELECTRA-small's) with
+    # 10% warm-up. TaCL and its MLM control continue for 1,000 steps at TaCL's lr 1e-4.
+    # GLUE: the five small tasks, 2 seeds, train sets capped at 5,000 rows (SST-2's 67k alone
+    # would cost 2.5 minutes a seed): ~1 minute per seed per model, 12 minutes for the 6 runs.
+    "mini": dict(
+        train=["--preset", "small", "--seq_len", "128", "--batch_size", "256", "--tokens_per_step", "32768",
+               "--lr", "5e-4", "--warmup_steps", "300", "--log_interval", "50", "--eval_interval", "500",
+               "--eval_batches", "20", "--ckpt_interval", "1000"],
+        steps=3000, extra_steps=1000, continue_lr=1e-4,
+        glue=["--max_train_samples", "5000"],
+        tasks="cola,sst2,mrpc,stsb,rte", seeds="1,2", analysis=[]),
+}
+
+# the number each GLUE task is reported by (TACO's Avg uses these), then the other metrics
+PRIMARY = {"cola": "mcc", "sst2": "acc", "mrpc": "f1", "stsb": "spearman", "rte": "acc", "qnli": "acc",
+           "qqp": "f1", "mnli": "acc_m", "wnli": "acc"}
+# the held-out metric that shows each objective learning on its own terms, and what it beats
+OWN_METRIC = {"mlm": "val_mlm_acc", "taco": "val_tc_loss", "tacl": "val_tacl_acc", "mlm_cont": "val_mlm_acc",
+              "cocolm": "val_copy_acc", "electra": "val_disc_acc"}
+
+
+# ---------------------------------------------------------------------------------------------
+# reading what the runs wrote (defensively: a missing key is a missing cell, never a crash)
+
+
+def read_log(path):
+    """log.jsonl -> (header, train records, eval records). A resumed run repeats the steps after
+    its last checkpoint and a restarted one repeats the header: the last record of a step wins."""
+    header, train, evals = {}, {}, {}
+    if not os.path.isfile(path):
+        return header, [], []
+    with open(path) as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue  # a line cut short by a kill
+            if "config" in rec:
+                header = rec
+            elif "step" in rec:
+                (train if "loss" in rec else evals)[rec["step"]] = rec
+    return header, [train[s] for s in sorted(train)], [evals[s] for s in sorted(evals)]
+
+
+def wall_clock(train_records):
+    """Seconds in the training loop: elapsed_s restarts at 0 after a resume, so sum the segments."""
+    total, last = 0.0, 0.0
+    for rec in train_records:
+        t = rec.get("elapsed_s")
+        if t is None:
+            continue
+        if t < last:
+            total += last
+        last = t
+    return total + last
+
+
+def median(values):
+    values = sorted(v for v in values if v is not None and math.isfinite(v))
+    if not values:
+        return None
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def mean_std(values):
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    if not values:
+        return None, None
+    m = sum(values) / len(values)
+    std = math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
+    return m, std
+
+
+def read_json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def run_finished(run_dir, steps):
+    """A pretraining run is done when its log holds the evaluation at its last step and ckpt.pt exists."""
+    _, _, evals = read_log(os.path.join(run_dir, "log.jsonl"))
+    return os.path.isfile(os.path.join(run_dir, "ckpt.pt")) and any(e["step"] >= steps for e in evals)
+
+
+def glue_done(path, tasks, seeds):
+    report = read_json(path)
+    if not report or not isinstance(report.get("tasks"), dict):
+        return False
+    return [str(s) for s in report.get("seeds", [])] == [str(s) for s in seeds] and all(
+        t in report["tasks"] for t in tasks)
+
+
+# ---------------------------------------------------------------------------------------------
+# stages
+
+
+def run_cmd(cmd, log_path, dry_run):
+    """One subprocess, its output teed into log_path; exits with its code if it fails."""
+    print("$ " + " ".join(cmd), flush=True)
+    if dry_run:
+        return 0.0
+    t0 = time.time()
+    with open(log_path, "a") as log:
+        proc = subprocess.Popen(cmd, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            log.write(line)
+        code = proc.wait()
+    if code:
+        sys.exit(f"error: `{' '.join(cmd)}` failed with exit code {code} (output in {log_path})")
+    return time.time() - t0
+
+
+def save_json(obj, path):
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=2)
+    os.replace(path + ".tmp", path)
+
+
+def note_time(run_dir, stage, seconds):
+    """Subprocess wall-clock per stage (start-up, tokenization and compile included), summed over calls."""
+    path = os.path.join(run_dir, "reproduce_time.json")
+    times = read_json(path) or {}
+    times[stage] = times.get(stage, 0.0) + seconds
+    save_json(times, path)
+
+
+def pretrain(args, scale, name, objective, steps, extra):
+    run_dir = os.path.join(args.out_dir, name)
+    if run_finished(run_dir, steps):
+        print(f"[{name}] pretrained already ({run_dir})")
+        return
+    if os.path.isfile(os.path.join(run_dir, "ckpt.pt")):
+        cmd = [args.python, "train.py", "--resume", run_dir, "--max_steps", str(steps)]  # a killed run goes on
+    else:
+        if os.path.isdir(run_dir) and not args.dry_run:  # a run killed before its first checkpoint
+            shutil.rmtree(run_dir)
+        cmd = [args.python, "train.py", "--objective", objective, *scale["train"], "--max_steps", str(steps),
+               "--seed", str(args.seed), "--cache_dir", args.cache_dir, "--out_dir", run_dir, *extra]
+        if args.data:
+            cmd += ["--data", args.data]
+    if not args.dry_run:
+        os.makedirs(run_dir, exist_ok=True)
+    seconds = run_cmd(cmd, os.path.join(args.out_dir, f"{name}.train.out"), args.dry_run)
+    if not args.dry_run:
+        note_time(run_dir, "pretrain", seconds)
+
+
+def glue(args, scale, name):
+    run_dir = os.path.join(args.out_dir, name)
+    path = os.path.join(run_dir, "glue.json")
+    if glue_done(path, args.tasks.split(","), args.seeds.split(",")):
+        print(f"[{name}] GLUE done already ({path})")
+        return
+    if not os.path.isfile(os.path.join(run_dir, "config.json")) and not args.dry_run:
+        print(f"[{name}] not pretrained: no GLUE")
+        return
+    cmd = [args.python, "eval.py", "--model", run_dir, "--out", run_dir, "--tasks", args.tasks,
+           "--seeds", args.seeds, *scale["glue"]]
+    if args.glue_dir:
+        cmd += ["--glue_dir", args.glue_dir]
+    seconds = run_cmd(cmd, os.path.join(args.out_dir, f"{name}.glue.out"), args.dry_run)
+    if not args.dry_run:
+        note_time(run_dir, "glue", seconds)
+
+
+def analyse(args, scale, runs):
+    out = os.path.join(args.out_dir, "analysis")
+    done = read_json(os.path.join(out, "analysis.json"))
+    if done and set(runs) <= set((done.get("models") or {}).keys()):
+        print(f"analysis done already ({out})")
+        return
+    cmd = [args.python, "eval.py", "--analysis", "--model", *[os.path.join(args.out_dir, r) for r in runs],
+           "--out", out, *scale["analysis"]]
+    run_cmd(cmd, os.path.join(args.out_dir, "analysis.out"), args.dry_run)
+
+
+# ---------------------------------------------------------------------------------------------
+# the report
+
+
+def fmt(value, digits=3):
+    return "–" if value is None or not isinstance(value, (int, float)) or not math.isfinite(value) else \
+        f"{value:.{digits}f}"
+
+
+def pm(m, s, digits=1):
+    return "–" if m is None else f"{m:.{digits}f} ± {s:.{digits}f}"
+
+
+def collect(args, runs):
+    """Everything results.md shows, as one JSON-ready dict."""
+    results = dict(scale=args.scale, data=args.data, seed=args.seed, tasks=args.tasks.split(","),
+                   seeds=args.seeds.split(","), runs={})
+    analysis = read_json(os.path.join(args.out_dir, "analysis", "analysis.json")) or {}
+    for name in runs:
+        run_dir = os.path.join(args.out_dir, name)
+        header, train, evals = read_log(os.path.join(run_dir, "log.jsonl"))
+        if not header and not evals:
+            continue
+        config = header.get("config", {})
+        r = dict(objective=config.get("objective"), steps=evals[-1]["step"] if evals else None,
+                 tokens_per_step=config.get("tokens_per_step"), init_from=config.get("init_from") or None,
+                 provenance=header.get("provenance"))
+        r["train_wall_s"] = wall_clock(train)
+        r["tokens_per_s"] = median([t.get("tokens_per_s") for t in train[1:] or train])  # first interval compiles
+        r["process_s"] = read_json(os.path.join(run_dir, "reproduce_time.json"))
+        # held-out curves: every eval record's val_* numbers and the contextual score
+        r["curves"] = [{k: v for k, v in e.items() if k == "step" or k.startswith("val_") or k in (
+            "contextual_score", "wordsim_cooc_sim")} for e in evals]
+        first, last = (evals[0], evals[-1]) if evals else ({}, {})
+        r["final"] = {k: v for k, v in last.items() if k != "step"}
+        own = OWN_METRIC.get(name)
+        r["own_metric"] = dict(name=own, first=first.get(own), last=last.get(own))
+        # GLUE: per task the primary metric per seed, mean and spread; the average per seed
+        report = read_json(os.path.join(run_dir, "glue.json")) or {}
+        tasks = {}
+        for task, t in (report.get("tasks") or {}).items():
+            if t.get("status") != "ok":
+                tasks[task] = dict(status=t.get("status"), reason=t.get("reason"))
+                continue
+            per_seed = {str(s): v for s, v in (t.get("seeds") or {}).items()}
+            key = PRIMARY.get(task) if all(PRIMARY.get(task) in v for v in per_seed.values()) else \
+                next(iter(next(iter(per_seed.values()), {})), None)
+            values = {s: v.get(key) for s, v in per_seed.items()}
+            m, s = mean_std(list(values.values()))
+            tasks[task] = dict(status="ok", metric=key, per_seed=values, mean=m, std=s, all_metrics=per_seed)
+        ok = [t for t in tasks.values() if t["status"] == "ok"]
+        seeds = sorted({s for t in ok for s in t["per_seed"]})
+        per_seed_avg = [sum(t["per_seed"][s] for t in ok) / len(ok) for s in seeds
+                        if ok and all(t["per_seed"].get(s) is not None for t in ok)]
+        m, s = mean_std(per_seed_avg)
+        r["glue"] = dict(tasks=tasks, avg=m, avg_std=s, avg_per_seed=per_seed_avg,
+                         finetune_s=report.get("time_s") or sum(t.get("time_s", 0) for t in
+                                                                 (report.get("tasks") or {}).values()))
+        # representation statistics from analysis.json (keys read with .get: the format may grow)
+        a = (analysis.get("models") or {}).get(name) or {}
+        ctx = a.get("contextual") or {}
+        sims = a.get("self_similarity_per_layer")
+        sent = a.get("sentence_similarity") or {}
+        r["analysis"] = dict(intra=ctx.get("intra"), inter=ctx.get("inter"), contextual=ctx.get("contextual"),
+                             l1_ratio=ctx.get("l1_ratio"), l2_ratio=ctx.get("l2_ratio"),
+                             isotropy=a.get("isotropy_random_pair_cos"),
+                             self_similarity_last=sims[-1] if isinstance(sims, list) and sims else None,
+                             wordsim353_spearman=(a.get("wordsim353") or {}).get("spearman"),
+                             simlex999_spearman=(a.get("simlex999") or {}).get("spearman"),
+                             cls_gap=sent.get("cls_gap"), mean_gap=sent.get("mean_gap"))
+        results["runs"][name] = r
+    mlm = results["runs"].get("mlm", {})
+    for r in results["runs"].values():  # the equal-compute view: step time relative to MLM's
+        r["step_time_vs_mlm"] = (mlm["tokens_per_s"] / r["tokens_per_s"]) if mlm.get("tokens_per_s") and \
+            r.get("tokens_per_s") else None
+    return results
+
+
+def plot(results, out_dir):
+    """Held-out loss and contextual score against steps and against training seconds."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plots")
+        return []
+    written = []
+    panels = [("val_mlm_loss", "held-out MLM loss (main model)"), ("val_gen_loss", "held-out generator MLM loss"),
+              ("contextual_score", "contextual score (one block = one context)")]
+    for x_axis, fname in (("step", "results_curves_steps.png"), ("seconds", "results_curves_time.png")):
+        fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
+        for ax, (key, title) in zip(axes, panels):
+            for name, r in results["runs"].items():
+                pts = [(c["step"], c[key]) for c in r["curves"] if c.get(key) is not None]
+                if not pts:
+                    continue
+                xs = [p[0] for p in pts]
+                if x_axis == "seconds":  # equal compute: the run's seconds per step, spread evenly
+                    if not r.get("steps") or not r.get("train_wall_s"):
+                        continue
+                    xs = [x * r["train_wall_s"] / r["steps"] for x in xs]
+                ax.plot(xs, [p[1] for p in pts], marker="o", ms=3, label=name)
+            ax.set_title(title, fontsize=10)
+            ax.set_xlabel("step" if x_axis == "step" else "training seconds (loop wall-clock)")
+            if ax.lines:
+                ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, fname + ".tmp.png"), dpi=110)
+        plt.close(fig)
+        os.replace(os.path.join(out_dir, fname + ".tmp.png"), os.path.join(out_dir, fname))
+        written.append(fname)
+    return written
+
+
+def markdown(results, pngs):
+    runs = results["runs"]
+    tasks = results["tasks"]
+    lines = [f"# Results: scale {results['scale']}", "",
+             f"Data `{results['data'] or 'train.py default'}`, pretraining seed {results['seed']}; GLUE dev sets, "
+             f"fine-tuning seeds {', '.join(results['seeds'])}: mean ± standard deviation over seeds "
+             f"(×100; CoLA MCC, STS-B Spearman, MRPC F1, others accuracy). Avg = the mean over these tasks, "
+             f"per seed, then mean ± std.", "",
+             "## GLUE", "",
+             "| run | steps | " + " | ".join(tasks) + " | Avg |", "|---" * (len(tasks) + 3) + "|"]
+    for name, r in runs.items():
+        g = r["glue"]["tasks"]
+        cells = [pm(g[t]["mean"], g[t]["std"]) if g.get(t, {}).get("status") == "ok" else "–" for t in tasks]
+        lines.append(f"| {name} | {r['steps']} | " + " | ".join(cells) + f" | {pm(r['glue']['avg'], r['glue']['avg_std'])} |")
+    lines += ["", "## Pretraining: held-out numbers at the last step, and cost", "",
+              "MLM loss: the main model's (MLM, TACO, TaCL); ELECTRA and COCO-LM train no MLM head on the main "
+              "model, so theirs is the generator's, not comparable. \"Own metric\" is the objective's own "
+              "held-out number at step 0 → the last step (disc/copy accuracy must beat the share of original "
+              "tokens, ~0.85; TaCL accuracy must rise; TACO's tc_loss must fall). Seconds: the training loop's "
+              "wall-clock (evaluations included); step time relative to MLM's tokens/s gives the equal-compute "
+              "view.", "",
+              "| run | steps | val MLM loss | val gen loss | own metric: first → last | contextual score | tokens/s "
+              "| step time vs MLM | train s | pretrain process s | GLUE s |", "|---" * 11 + "|"]
+    for name, r in runs.items():
+        f, own, proc = r["final"], r["own_metric"], r.get("process_s") or {}
+        own_cell = f"{own['name']}: {fmt(own['first'])} → {fmt(own['last'])}" if own["name"] else "–"
+        lines.append(f"| {name} | {r['steps']} | {fmt(f.get('val_mlm_loss'))} | {fmt(f.get('val_gen_loss'))} | "
+                     f"{own_cell} | {fmt(f.get('contextual_score'))} | {fmt(r['tokens_per_s'], 0)} | "
+                     f"{fmt(r['step_time_vs_mlm'], 2)} | {fmt(r['train_wall_s'], 0)} | {fmt(proc.get('pretrain'), 0)} "
+                     f"| {fmt(proc.get('glue'), 0)} |")
+    lines += ["", "## Representations (eval.py --analysis, held-out sentences)", "",
+              "| run | intra | inter | contextual | L1 ratio | L2 ratio | isotropy | self-sim (last layer) "
+              "| WordSim353 ρ | SimLex-999 ρ | [CLS] gap | mean-pool gap |", "|---" * 12 + "|"]
+    for name, r in runs.items():
+        a = r["analysis"]
+        lines.append(f"| {name} | " + " | ".join(fmt(a[k]) for k in (
+            "intra", "inter", "contextual", "l1_ratio", "l2_ratio", "isotropy", "self_similarity_last",
+            "wordsim353_spearman", "simlex999_spearman", "cls_gap", "mean_gap")) + " |")
+    lines += ["", "Plots: " + ", ".join(f"`{p}`" for p in pngs) + "; the analysis plots are in `analysis/`.", ""]
+    prov = {name: r["provenance"] for name, r in runs.items() if r.get("provenance")}
+    if prov:
+        lines += ["Provenance (from each log.jsonl): see results.json, `runs.NAME.provenance`.", ""]
+    return "\n".join(lines)
+
+
+def report(args, runs):
+    results = collect(args, runs)
+    if not results["runs"]:
+        sys.exit(f"error: no runs in {args.out_dir} to report on")
+    pngs = plot(results, args.out_dir)
+    save_json(results, os.path.join(args.out_dir, "results.json"))
+    text = markdown(results, pngs)
+    with open(os.path.join(args.out_dir, "results.md.tmp"), "w") as f:
+        f.write(text)
+    os.replace(os.path.join(args.out_dir, "results.md.tmp"), os.path.join(args.out_dir, "results.md"))
+    print(text)
+    print(f"wrote {os.path.join(args.out_dir, 'results.md')}, results.json and {len(pngs)} plots")
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--scale", default="toy", choices=list(SCALES), help="toy: CPU, a minute; mini: one GPU, ~25 min")
+    p.add_argument("--objectives", default="mlm,taco,cocolm,electra,tacl",
+                   help="comma list from mlm,taco,cocolm,electra,tacl; tacl adds mlm (its start) and mlm_cont")
+    p.add_argument("--data", default="", help="pretraining text for train.py --data (default: train.py's)")
+    p.add_argument("--glue_dir", default="", help="the GLUE TSVs for eval.py --glue_dir (default: the hub)")
+    p.add_argument("--out_dir", default="out/reproduce")
+    p.add_argument("--cache_dir", default="", help="tokenizer/token cache shared by the runs (default out_dir/cache)")
+    p.add_argument("--steps", type=int, help="pretraining steps (default: the scale's)")
+    p.add_argument("--extra_steps", type=int, help="TaCL / MLM-control continuation steps (default: the scale's)")
+    p.add_argument("--tasks", help="GLUE tasks (default: the scale's)")
+    p.add_argument("--seeds", help="GLUE fine-tuning seeds (default: the scale's)")
+    p.add_argument("--seed", type=int, default=1337, help="pretraining seed, the same for every run")
+    p.add_argument("--only", default="", help=f"comma list of stages ({','.join(STAGES)}) and/or runs "
+                   f"({','.join(SCRATCH + list(CONTINUED))}); default everything")
+    p.add_argument("--dry_run", action="store_true", help="print the commands, run nothing")
+    p.add_argument("--python", default=sys.executable, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    scale = SCALES[args.scale]
+    steps = args.steps or scale["steps"]
+    extra_steps = args.extra_steps or scale["extra_steps"]
+    args.tasks = args.tasks or scale["tasks"]
+    args.seeds = args.seeds or scale["seeds"]
+    args.cache_dir = args.cache_dir or os.path.join(args.out_dir, "cache")
+    for name in ("data", "glue_dir", "out_dir", "cache_dir"):  # subprocesses run in this file's folder
+        value = getattr(args, name)
+        if value and (os.path.exists(value) or name in ("out_dir", "cache_dir")):
+            setattr(args, name, os.path.abspath(value))
+
+    objectives = [o.strip() for o in args.objectives.split(",") if o.strip()]
+    unknown = [o for o in objectives if o not in SCRATCH + ["tacl"]]
+    if unknown:
+        p.error(f"unknown objective {unknown[0]!r} (choose from {', '.join(SCRATCH + ['tacl'])})")
+    runs = [o for o in SCRATCH if o in objectives or (o == "mlm" and "tacl" in objectives)]
+    if "tacl" in objectives:
+        runs += list(CONTINUED)
+    only = [o.strip() for o in args.only.split(",") if o.strip()]
+    bad = [o for o in only if o not in STAGES + SCRATCH + list(CONTINUED)]
+    if bad:
+        p.error(f"--only: unknown stage or run {bad[0]!r}")
+    stages = [s for s in only if s in STAGES] or STAGES
+    selected = [r for r in runs if r in only] or runs
+    os.makedirs(args.out_dir, exist_ok=True)
+
+    t0 = time.time()
+    if "pretrain" in stages:
+        for name in selected:
+            if name in SCRATCH:
+                pretrain(args, scale, name, name, steps, [])
+    if "continue" in stages:
+        for name in selected:
+            if name in CONTINUED:
+                if not os.path.isfile(os.path.join(args.out_dir, "mlm", "config.json")) and not args.dry_run:
+                    sys.exit(f"error: {name} continues from the mlm run, which is not there: pretrain it first")
+                # the same continuation recipe for TaCL and its control: fresh optimizer, warm-up, lr
+                extra = ["--init_from", os.path.join(args.out_dir, "mlm"), "--lr", str(scale["continue_lr"]),
+                         "--warmup_steps", str(max(1, extra_steps // 10))]
+                pretrain(args, scale, name, CONTINUED[name], extra_steps, extra)
+    if "glue" in stages:
+        for name in selected:
+            glue(args, scale, name)
+    present = [r for r in runs if os.path.isfile(os.path.join(args.out_dir, r, "config.json"))]
+    if "analysis" in stages and present:
+        analyse(args, scale, present)
+    if "report" in stages and not args.dry_run:
+        report(args, runs)
+    print(f"reproduce.py: {time.time() - t0:.0f}s")
+
+
+if __name__ == "__main__":
+    main()

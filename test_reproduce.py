@@ -1,0 +1,107 @@
+"""reproduce.py: the toy scale end to end (pretrain, continue, GLUE, analysis, report) on a tiny
+synthetic corpus and tiny synthetic GLUE TSVs; stages are skipped when done; log parsing."""
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+import reproduce
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORDS = ("the a one some every cat dog bird fish child teacher river city house road garden song book "
+         "runs sees finds likes makes takes walks sings reads builds near under over with from into "
+         "red small old green quiet bright happy slow and but then because while").split()
+
+
+def write_corpus(path, rng, lines=1500):
+    with open(path, "w") as f:
+        for _ in range(lines):
+            f.write(" ".join(rng.choice(WORDS) for _ in range(rng.randint(6, 14))).capitalize() + ".\n")
+
+
+def write_glue(root, rng, rows=40):
+    sentence = lambda: " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 9)))
+    os.makedirs(os.path.join(root, "CoLA"))
+    os.makedirs(os.path.join(root, "STS-B"))
+    for split in ("train", "dev"):
+        with open(os.path.join(root, "CoLA", f"{split}.tsv"), "w") as f:  # no header, 4 columns
+            for _ in range(rows):
+                f.write(f"src\t{rng.randint(0, 1)}\t\t{sentence()}\n")
+        with open(os.path.join(root, "STS-B", f"{split}.tsv"), "w") as f:
+            f.write("index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\tsentence2\tscore\n")
+            for i in range(rows):
+                f.write(f"{i}\tg\tf\t2012\t{i}\ts\ts\t{sentence()}\t{sentence()}\t{rng.uniform(0, 5):.2f}\n")
+
+
+def finite(x):
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def test_toy_end_to_end(tmp_path):
+    rng = random.Random(0)
+    write_corpus(tmp_path / "corpus.txt", rng)
+    write_glue(tmp_path / "glue", rng)
+    out = tmp_path / "repro"
+    cmd = [sys.executable, "reproduce.py", "--scale", "toy", "--objectives", "mlm,electra,tacl",
+           "--data", str(tmp_path / "corpus.txt"), "--glue_dir", str(tmp_path / "glue"), "--out_dir", str(out)]
+    proc = subprocess.run(cmd, cwd=HERE, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    text = (out / "results.md").read_text()
+    runs = ["mlm", "electra", "tacl", "mlm_cont"]
+    glue_rows = [line for line in text.splitlines() if line.startswith("| ") and line.split(" | ")[0][2:] in runs]
+    assert sorted({row.split(" | ")[0][2:] for row in glue_rows}) == sorted(runs)
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["runs"]) == set(runs)
+    for name in runs:
+        r = results["runs"][name]
+        assert r["steps"] == (20 if name in ("mlm", "electra") else 10), name
+        glue = r["glue"]
+        assert set(glue["tasks"]) == {"cola", "stsb"} and finite(glue["avg"]) and finite(glue["avg_std"]), name
+        assert all(len(t["per_seed"]) == 2 and all(finite(v) for v in t["per_seed"].values())
+                   for t in glue["tasks"].values()), name
+        assert finite(r["tokens_per_s"]) and r["tokens_per_s"] > 0 and finite(r["train_wall_s"]), name
+        assert finite(r["final"]["val_gen_loss" if name == "electra" else "val_mlm_loss"]), name
+        assert finite(r["own_metric"]["first"]) and finite(r["own_metric"]["last"]), name
+        assert finite(r["analysis"]["contextual"]), name
+        assert len(r["curves"]) >= 2
+    # the continuations start from the mlm run, on the same recipe
+    assert results["runs"]["tacl"]["init_from"] == results["runs"]["mlm_cont"]["init_from"] == str(out / "mlm")
+    assert (out / "results_curves_steps.png").stat().st_size > 0 and (out / "analysis" / "analysis.json").exists()
+
+    # a second call finds every stage done: nothing retrains, and the report is the same
+    again = subprocess.run(cmd + ["--only", "pretrain,continue,glue,analysis"], cwd=HERE, capture_output=True,
+                           text=True, timeout=120)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "train.py" not in again.stdout and "eval.py" not in again.stdout
+    assert again.stdout.count("already") == 4 + 4 + 1
+
+
+def test_read_log_resumed_run(tmp_path):
+    """A resumed run repeats the steps after its checkpoint and restarts elapsed_s: the last record
+    of a step wins and the wall-clock sums the segments."""
+    path = tmp_path / "log.jsonl"
+    records = [{"config": {"objective": "mlm"}, "provenance": {"commit": "abc"}},
+               {"step": 0, "val_mlm_loss": 9.0},
+               {"step": 10, "loss": 8.0, "elapsed_s": 5.0, "tokens_per_s": 100.0},
+               {"step": 20, "loss": 7.0, "elapsed_s": 10.0, "tokens_per_s": 100.0},
+               {"step": 20, "loss": 7.1, "elapsed_s": 4.0, "tokens_per_s": 120.0},  # resumed from step 10
+               {"step": 30, "loss": 6.0, "elapsed_s": 8.0, "tokens_per_s": 120.0},
+               {"step": 30, "val_mlm_loss": 6.5}]
+    path.write_text("\n".join(json.dumps(r) for r in records) + '\n{"step": 40, "lo')  # a line cut by a kill
+    header, train, evals = reproduce.read_log(str(path))
+    assert header["provenance"] == {"commit": "abc"}
+    assert [t["step"] for t in train] == [10, 20, 30] and train[1]["loss"] == 7.1
+    assert [e["step"] for e in evals] == [0, 30]
+    assert reproduce.wall_clock(train) == pytest.approx(5.0 + 8.0)  # 10 s before the kill is not seen: 5 + 8
+    assert reproduce.mean_std([1.0, 3.0]) == (2.0, pytest.approx(math.sqrt(2)))
+
+
+def test_bad_only_is_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "reproduce.py", "--only", "pretrian", "--out_dir", str(tmp_path)],
+                          cwd=HERE, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "unknown stage or run 'pretrian'" in proc.stderr
