@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from data import DEFAULT_DATA, HUB_CORPUS
 from model import Bert, BertConfig, MODEL_PRESETS, load_checkpoint_file
 
 
@@ -37,22 +38,23 @@ class TrainConfig:
     init_from: str = ""  # start from these weights: a run dir, a ckpt.pt, or a Hugging Face BERT dir
     resume: str = ""  # continue a run exactly: its out_dir or ckpt.pt
     # data
-    data: str = "wikitext:wikitext-103-raw-v1"  # a datasets hub name, or a local file / dir / glob
+    data: str = DEFAULT_DATA  # a local file / dir / glob, or a datasets hub name ("name:config"); smoke: the sample in assets/
     tokenizer: str = ""  # tokenizer.json, vocab.txt or a dir with them; empty = the init_from dir's, else train one
     vocab_size: int = 30522  # size of a newly trained WordPiece vocabulary (BERT's)
     val_fraction: float = 0.005  # share of the corpus held out for the validation MLM loss
     cache_dir: str = "cache"  # tokenizers and token files, reused across runs
     seq_len: int = 128  # tokens per packed block, [CLS] and [SEP] included
-    # optimisation
-    batch_size: int = 16  # sequences per micro-step per process
+    # optimisation (defaults: TACO Table 5, the same for MLM and TACO)
+    batch_size: int = 16  # sequences per micro-step per process: a memory cap, lowered to fit tokens_per_step
     tokens_per_step: int = 2048  # global tokens per optimizer step: gradient accumulation is derived from it
     max_steps: int = 300  # optimizer steps; the schedule decays to 0 here
     lr: float = 1e-3  # peak learning rate
     warmup_steps: int = 30  # linear warmup, then linear decay to 0 at max_steps
     weight_decay: float = 0.01  # on >= 2-D weights only (not biases or LayerNorm), as BERT
-    beta2: float = 0.98  # RoBERTa's value; more stable than 0.999 with large batches
+    beta2: float = 0.999  # AdamW beta2 (Table 5; RoBERTa's 0.98 is steadier with huge batches)
+    adam_eps: float = 1e-8  # AdamW epsilon (Table 5; BERT and RoBERTa use 1e-6)
     grad_clip: float = 1.0  # clip the global grad norm (0 = off)
-    dropout: float = 0.1  # BERT pretraining dropout
+    dropout: float = 0.1  # BERT pretraining dropout (hidden and attention)
     mask_prob: float = 0.15  # share of non-special tokens selected for prediction (BERT)
     # objective hyperparameters, with their sources
     mlm_predict_all: bool = False  # MLM+TP ablation (TACO §5.2): also predict every unmasked token
@@ -62,8 +64,10 @@ class TrainConfig:
     taco_weight: float = 1.0  # lambda in L_MLM + lambda * L_TC (TACO Eq. 11)
     taco_anchors: str = "all"  # all non-pad positions (official default) | masked ("concentrated TACO", §5.2)
     taco_stop_grad: bool = True  # detach positives/negatives (official code); False = the ablation
+    negative_pool: int = 0  # sequences sharing one pool of negatives (TACO rows, COCO-LM NT-Xent); 0 = the per-process micro-batch
     tacl_temperature: float = 0.01  # tau (TaCL §3, official scripts)
-    gen_layers: int = 0  # COCO-LM/ELECTRA generator depth; 0 = max(1, round(L/3)) (COCO-LM §4: 4 for base)
+    gen_shape: str = "cocolm"  # generator: cocolm = same width, max(1, round(L/3)) layers (COCO-LM §4) | electra = full depth, 1/4 width (1/3 base) (ELECTRA §3.2)
+    gen_layers: int = 0  # generator depth; 0 = the gen_shape's own
     cocolm_copy_weight: float = 50.0  # lambda_copy (COCO-LM §3.1)
     cocolm_scl_temperature: float = 1.0  # tau of the SCL NT-Xent (COCO-LM §4)
     cocolm_crop_fraction: float = 0.9  # share of tokens kept in SCL's cropped view (COCO-LM §3.2)
@@ -81,19 +85,44 @@ class TrainConfig:
     ckpt_interval: int = 100  # steps between checkpoints (also at the end, and on Ctrl-C without DDP)
 
 
+# small / base are TACO's Table 5 (App. A), the pretraining recipe of both MLM and TACO. The official
+# scripts differ (256 sequences x 4 accumulation x 2 GPUs = 2,048 per step); we follow the paper.
+PAPER_RECIPE = dict(seq_len=256, vocab_size=30522, tokens_per_step=1280 * 256, lr=1e-4, beta2=0.999, adam_eps=1e-8,
+                    weight_decay=0.01, grad_clip=1.0, dropout=0.1, mask_prob=0.15, data=HUB_CORPUS,
+                    batch_size=80, negative_pool=80, log_interval=100, eval_batches=20)
 PRESETS = {
-    # a tiny model on 1 MB of text: learns visibly in about a minute on a laptop CPU
-    "smoke": dict(model_size="tiny", vocab_size=8192, seq_len=128, batch_size=16, tokens_per_step=2048,
-                  max_steps=300, lr=1e-3, warmup_steps=30, log_interval=10, eval_interval=100,
-                  ckpt_interval=100, dropout=0.0),
-    # TACO's BERT-small / BERT-base settings (App. A): seq 256, batch 256, lr 1e-4, wd 0.01
-    "small": dict(model_size="small", seq_len=256, batch_size=128, tokens_per_step=256 * 256, max_steps=250_000,
-                  lr=1e-4, warmup_steps=10_000, log_interval=100, eval_interval=2000, eval_batches=20,
-                  ckpt_interval=2000),
-    "base": dict(model_size="base", seq_len=256, batch_size=64, tokens_per_step=256 * 256, max_steps=500_000,
-                 lr=1e-4, warmup_steps=10_000, log_interval=100, eval_interval=5000, eval_batches=20,
-                 ckpt_interval=5000),
+    # a tiny model on the sample corpus in assets/: learns visibly in about a minute on a laptop CPU
+    "smoke": dict(model_size="tiny", data=DEFAULT_DATA, vocab_size=8192, seq_len=128, batch_size=16,
+                  tokens_per_step=2048, max_steps=300, lr=1e-3, warmup_steps=30, log_interval=10,
+                  eval_interval=100, ckpt_interval=100, dropout=0.0),
+    "small": dict(PAPER_RECIPE, model_size="small", max_steps=250_000, warmup_steps=2_500,
+                  eval_interval=2000, ckpt_interval=2000),
+    "base": dict(PAPER_RECIPE, model_size="base", max_steps=500_000, warmup_steps=10_000,
+                 eval_interval=5000, ckpt_interval=5000),
+    # TaCL's own recipe (official train_tacl_english.sh and train.py): continual pretraining of
+    # bert-base-uncased (--init_from), 256 x 256 tokens, 150k steps, 10% warm-up, transformers' AdamW
+    # defaults (eps 1e-6, no weight decay). Not reproduced: its NSP loss on sentence pairs.
+    "tacl": dict(objective="tacl", model_size="base", seq_len=256, vocab_size=30522, tokens_per_step=256 * 256,
+                 batch_size=64, max_steps=150_000, warmup_steps=15_000, lr=1e-4, beta2=0.999, adam_eps=1e-6,
+                 weight_decay=0.0, grad_clip=1.0, dropout=0.1, mask_prob=0.15, data=HUB_CORPUS,
+                 log_interval=100, eval_interval=5000, eval_batches=20, ckpt_interval=5000),
 }
+# where each preset value comes from, printed by --help
+_TABLE5 = "TACO Table 5"
+PRESET_SOURCES = {
+    "small": dict(model_size="TACO §4: 4 layers, 512 hidden, 8 heads", seq_len=_TABLE5, vocab_size=_TABLE5,
+                  tokens_per_step=_TABLE5 + ": 1,280 sequences x 256", max_steps=_TABLE5, warmup_steps=_TABLE5,
+                  lr=_TABLE5 + ", linear decay", beta2=_TABLE5, adam_eps=_TABLE5, weight_decay=_TABLE5,
+                  grad_clip=_TABLE5, dropout=_TABLE5, mask_prob=_TABLE5,
+                  data="ours: English Wikipedia (the paper adds BookCorpus, no longer distributed)",
+                  batch_size="ours: a per-process cap; accumulation makes up 1,280",
+                  negative_pool="ours: the paper's per-GPU batch (1,280 on 16 GPUs), kept on any layout"),
+    "tacl": dict(model_size="TaCL: bert-base-uncased", seq_len="TaCL script: max_len 256",
+                 tokens_per_step="TaCL script: effective batch 256", max_steps="TaCL script: 150,010 steps",
+                 warmup_steps="TaCL train.py: 10% of steps", lr="TaCL script", adam_eps="transformers AdamW default",
+                 weight_decay="transformers AdamW default", grad_clip="TaCL train.py: max_grad_norm 1.0"),
+}
+PRESET_SOURCES["base"] = dict(PRESET_SOURCES["small"], model_size="TACO §4: 12 layers, 768 hidden, 12 heads")
 
 
 def field_help():
@@ -116,6 +145,19 @@ def parse_value(name, typ, text):
         raise ValueError(f"--{name} expects {getattr(typ, '__name__', typ)}, got {text!r}") from None
 
 
+def print_help(spec, argv):
+    """Each flag with the chosen preset's value (--preset NAME before or after --help) and its source."""
+    preset = next((a.partition("=")[2] or (argv[i + 1] if i + 1 < len(argv) else "") for i, a in enumerate(argv)
+                   if a.partition("=")[0] == "--preset"), TrainConfig.preset)
+    values, sources = PRESETS.get(preset, {}), PRESET_SOURCES.get(preset, {})
+    print(__doc__)
+    print(f"flags, with the values of --preset {preset} (choices: {', '.join(PRESETS)}):")
+    for name, (typ, default, comment) in spec.items():
+        value = values.get(name, default)
+        source = f"  [{sources[name]}]" if name in sources else ""
+        print(f"  --{name:<24} {value!r:<32} {comment}{source}")
+
+
 def parse_args(argv):
     """--name value / --name=value flags over a preset over the defaults. Returns (config, names given)."""
     spec = field_help()
@@ -124,9 +166,7 @@ def parse_args(argv):
     while i < len(argv):
         arg = argv[i]
         if arg in ("-h", "--help"):
-            print(__doc__)
-            for name, (typ, default, comment) in spec.items():
-                print(f"  --{name:<24} {default!r:<32} {comment}")
+            print_help(spec, argv)
             sys.exit(0)
         if not arg.startswith("--"):
             raise ValueError(f"unexpected argument {arg!r} (flags look like --name value)")
@@ -169,8 +209,7 @@ def configure_optimizer(params, cfg, device_type):
     params = [p for p in params if p.requires_grad]
     groups = [dict(params=[p for p in params if p.dim() >= 2], weight_decay=cfg.weight_decay),
               dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)]
-    # eps 1e-6 and beta2 0.98 as RoBERTa (BERT: 1e-6 and 0.999)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, cfg.beta2), eps=1e-6, fused=device_type == "cuda")
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, cfg.beta2), eps=cfg.adam_eps, fused=device_type == "cuda")
 
 
 def lr_at(step, cfg):
@@ -190,6 +229,13 @@ def micro_batching(cfg, world):
     """(sequences per micro-step per process, micro-steps per optimizer step). tokens_per_step fixes
     the global batch; batch_size is a memory cap, lowered when `world` processes would exceed it."""
     batch_size = min(cfg.batch_size, max(1, cfg.tokens_per_step // (cfg.seq_len * world)))
+    if cfg.negative_pool and cfg.objective in ("taco", "cocolm"):
+        # whole pools per process, so the negatives (and the objective) are the same on any layout
+        batch_size -= batch_size % cfg.negative_pool
+        if batch_size == 0:
+            raise ValueError(f"--negative_pool {cfg.negative_pool} needs that many sequences per process and "
+                             f"micro-step; --batch_size {cfg.batch_size} with {world} process(es) allows "
+                             f"{min(cfg.batch_size, cfg.tokens_per_step // (cfg.seq_len * world))}")
     micro_tokens = batch_size * cfg.seq_len * world
     if cfg.tokens_per_step % micro_tokens:
         raise ValueError(f"tokens_per_step {cfg.tokens_per_step} is not a multiple of batch_size {batch_size} "
@@ -395,6 +441,10 @@ def train(cfg, given):
         print(f"{cfg.objective} | {model.num_params() / 1e6:.1f}M params | {world} process(es) on {device}, {dtype}")
         print(f"tokens_per_step {cfg.tokens_per_step} = batch_size {cfg.batch_size} x seq_len {cfg.seq_len} "
               f"x {world} process(es) x grad_accum {grad_accum}")
+        if cfg.objective in ("taco", "cocolm"):
+            pool = cfg.negative_pool or cfg.batch_size
+            print(f"negative pool: {pool} sequences" + ("" if cfg.negative_pool else
+                  " (the per-process micro-batch: changes with the layout; --negative_pool fixes it)"))
 
     def log(record):
         if master:
