@@ -525,7 +525,7 @@ def finetune(base, task, data, hp, seed, device, pad_id, warmup, group_by_length
             scores.update({f"{k}_{suffix}" if suffix else k: v for k, v in got.items()})
         history.append(dict(epoch=epoch + 1, train_loss=torch.stack(losses).mean().item(), scores=scores,
                             collapsed=collapsed))
-        log(f"  {task.name} seed {seed} epoch {epoch + 1}/{hp['epochs']}: train loss {history[-1]['train_loss']:.4f}, "
+        log(f"epoch {epoch + 1}/{hp['epochs']}: train loss {history[-1]['train_loss']:.4f}, "
             + ", ".join(f"{k} {v:.2f}" for k, v in scores.items()) + (" (constant prediction)" if collapsed else ""))
     return model, history
 
@@ -607,7 +607,8 @@ def glue_table(report, compare=False):
     for stat in (["mean", "median"] if n_runs > 1 else ["mean"]):
         values = {(t, k): v for t, r in ok.items() for k, v in r[stat].items()}
         avgs = [like_for_like(values, keys, present) for keys in (AVG9, AVG8)]
-        lines.append(table_row(f"{report['name']} ({stat} of {report['runs_label']}{flag})", values,
+        which = report["runs_label"] if n_runs == 1 else f"{stat} of {report['runs_label']}"
+        lines.append(table_row(f"{report['name']} ({which}{flag})", values,
                                ["–" if a is None else f"{a:.1f}" for a in avgs], marks))
     for label, numbers, paper_avg in PAPER_ROWS if compare else []:
         values = dict(zip(AVG9, numbers))
@@ -725,10 +726,8 @@ def run_glue(args, log=print):
         raise ValueError(f"{model_dir}: the tokenizer has {tok.get_vocab_size()} tokens, the model {cfg.vocab_size}")
     size = args.model_size if args.model_size != "auto" else ("base" if cfg.hidden_size >= 768 else "small")
     overrides = {k: getattr(args, k) for k in HPARAMS if getattr(args, k) is not None}
-    if args.max_len is None:  # a model pretrained on short blocks gets its own limit
-        overrides["max_len"] = min(SHARED["max_len"], cfg.max_position_embeddings)
-    if overrides["max_len"] > cfg.max_position_embeddings:
-        raise ValueError(f"--max_len {overrides['max_len']}: exceeds the model's {cfg.max_position_embeddings} positions")
+    if args.max_len is not None and args.max_len > cfg.max_position_embeddings:
+        raise ValueError(f"--max_len {args.max_len}: exceeds the model's {cfg.max_position_embeddings} positions")
     protocol = ("uniform recipe (TACO's scripts)" if args.recipe == "uniform" else
                 "TACO Table 7, fixed per task" if size == "small" else
                 f"TACO Table 8, {args.num_combos} combinations per task drawn with --grid_seed {args.grid_seed}")
@@ -752,6 +751,8 @@ def run_glue(args, log=print):
         if args.max_eval_samples:
             raw["dev"] = {s: subset(ds, args.max_eval_samples) for s, ds in raw["dev"].items()}
         hps = recipe_runs(task, args.recipe, size, overrides, args.num_combos, args.grid_seed)
+        if args.max_len is None:  # a model pretrained on short blocks gets its own limit
+            hps = [dict(hp, max_len=min(hp["max_len"], cfg.max_position_embeddings)) for hp in hps]
         enc = lambda ds: encode_task(tok, ds, hps[0]["max_len"], cfg.cls_token_id, cfg.sep_token_id, task.labels is None)
         data = {"train": enc(raw["train"]), "dev": {s: enc(ds) for s, ds in raw["dev"].items()}}
         tests = {stem: (ds["index"], enc(ds)) for stem, ds in raw.get("test", {}).items() if not isinstance(ds, str)}
@@ -767,7 +768,7 @@ def run_glue(args, log=print):
             for seed in seeds:
                 label = f"seed {seed}" if len(hps) == 1 else f"combo {k + 1} seed {seed}"
                 model, history = finetune(base, task, data, hp, seed, device, cfg.pad_token_id, warmup,
-                                          args.group_by_length, log)
+                                          args.group_by_length, lambda line: log(f"  {task.name} {label}: {line}"))
                 runs[label] = dict(label=label, seed=seed, combo=k + 1, scores=history[-1]["scores"],
                                    collapsed=history[-1]["collapsed"],
                                    hparams=dict(hp, warmup_steps=warmup, total_steps=total), history=history)
@@ -799,18 +800,17 @@ def run_glue(args, log=print):
         raise ValueError("no GLUE task could be scored: " + "; ".join(f"{n}: {r['reason']}"
                                                                       for n, r in results.items()))
     n_runs = len(next(r for r in results.values() if r["status"] == "ok")["runs"])
-    runs_label = (f"{len(seeds)} seed{'s' * (len(seeds) > 1)}" if n_runs == len(seeds) else
-                  f"{n_runs // len(seeds)} combinations x {len(seeds)} seed{'s' * (len(seeds) > 1)}")
-    if n_runs == 1:
-        runs_label = f"1 run, seed {seeds[0]}"
+    combos = n_runs // len(seeds)
+    runs_label = (f"seed {seeds[0]}" if n_runs == 1 else f"{len(seeds)} seeds" if combos == 1 else
+                  f"{combos} combinations x {len(seeds)} seed{'s' * (len(seeds) > 1)}")
     report = dict(name=os.path.basename(os.path.normpath(model_dir)), model=args.model, recipe=args.recipe,
                   model_size=size, protocol=protocol, shared=SHARED, seeds=seeds, runs_per_task=n_runs,
                   runs_label=runs_label, group_by_length=args.group_by_length, args=vars(args), device=str(device),
                   torch=torch.__version__, model_config=vars(cfg), time_s=time.time() - t_all, tasks=results)
-    present = {(t, k) for t, r in results.items() if r["status"] == "ok" for k in r["mean"]}
-    report["avg9"], report["avg8"] = ({stat: like_for_like({(t, k): v for t, r in results.items() if r["status"] == "ok"
-                                                            for k, v in r[stat].items()}, keys, present)
-                                       for stat in ("mean", "median")} for keys in (AVG9, AVG8))
+    values = {stat: {(t, k): v for t, r in results.items() if r["status"] == "ok" for k, v in r[stat].items()}
+              for stat in ("mean", "median")}
+    report["avg9"] = {stat: like_for_like(v, AVG9, present=v) for stat, v in values.items()}
+    report["avg8"] = {stat: like_for_like(v, AVG8, present=v) for stat, v in values.items()}
     report["missing"] = [n for n, r in results.items() if r["status"] == "missing"]
     if args.predict:
         report["predictions"] = predictions

@@ -368,7 +368,7 @@ def fake_report(tasks, runs=1, collapsed=()):
                              collapsed=["seed 1"] if name in collapsed else [],
                              runs={"seed 1": dict(label="seed 1", scores=scores, hparams=dict(
                                  lr=5e-5, batch_size=32, epochs=4, warmup_steps=8, total_steps=28))})
-    return dict(name="m", tasks=results, runs_per_task=runs, runs_label="1 run, seed 1", protocol="x",
+    return dict(name="m", tasks=results, runs_per_task=runs, runs_label="seed 1", protocol="x",
                 args=dict(max_train_samples=200, max_eval_samples=None))
 
 
