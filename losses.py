@@ -376,15 +376,15 @@ def sample_tokens(logits, gen):
 def generator_config(cfg, config):
     """The generator's BertConfig and depth for cfg.gen_shape; cfg.gen_layers > 0 overrides the depth.
     "cocolm": the main width, max(1, round(L/3)) layers (COCO-LM §4: 4 for base).
-    "electra": L layers at 1/4 of the width (1/3 from base up), heads = width/64, FFN = 4x width
-    (ELECTRA §3.2; official get_generator_config, generator_hidden_size 0.25 small, 0.333 base)."""
+    "electra": L layers at 1/4 of the width (1/3 for base), heads = width/64, FFN = 4x width
+    (ELECTRA §3.2 and Table 6: 1/4 small and large, 1/3 base; official get_generator_config)."""
     shape = getattr(cfg, "gen_shape", "cocolm")
     if shape == "cocolm":
         gen_config, num_layers = config, max(1, round(config.num_layers / 3))
     elif shape == "electra":
-        width = round(config.hidden_size * (1 / 3 if config.hidden_size >= 768 else 1 / 4))
+        width = round(config.hidden_size * (1 / 3 if config.hidden_size == 768 else 1 / 4))
         num_heads = max(1, width // 64)
-        while width % num_heads:  # widths that are not a multiple of 64 (test sizes): the nearest divisor
+        while width % num_heads:  # a width that is not a multiple of 64: the most heads that divide it
             num_heads -= 1
         gen_config = replace(config, hidden_size=width, num_heads=num_heads, intermediate_size=4 * width)
         num_layers = config.num_layers
@@ -483,7 +483,7 @@ def nt_xent(z1, z2, temperature, pool):
 class COCOLM(nn.Module):
     """COCO-LM (Meng et al., NeurIPS 2021, §3): corrective LM + sequence contrastive learning.
 
-    1. A generator (same width, max(1, round(L/3)) layers, shared embeddings) does MLM on x~
+    1. A generator (gen_shape "cocolm": same width, max(1, round(L/3)) layers, shared embeddings) does MLM on x~
        (80/10/10 masking): L_gen. Its samples at the masked positions M, drawn from a dropout-off
        forward, give x^MLM (no gradient).
     2. The main model on x^MLM -> h. Copy head p_copy(1|h_i) = sigmoid(w.h_i + b), "token is

@@ -741,7 +741,8 @@ def test_generator_forwards_and_sampling_logits(monkeypatch, name):
         objective.generator.head.ln.weight.mul_(50)
     calls, head_outputs = [], []
     encoder_forward = objective.generator.encoder.forward
-    monkeypatch.setattr(objective.generator.encoder, "forward", lambda *a, **k: calls.append(1) or encoder_forward(*a, **k))
+    monkeypatch.setattr(objective.generator.encoder, "forward",
+                        lambda *args, **kw: calls.append(1) or encoder_forward(*args, **kw))
     objective.generator.head.register_forward_hook(lambda module, inputs, output: head_outputs.append(output))
     objective(model, make_batch(), seeded(4))
     assert len(calls) == (1 if name == "electra" else 2)
