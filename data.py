@@ -5,8 +5,8 @@ Tokenizer, corpus -> cached token stream, and packed-block batches for BERT pret
   [PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3 [MASK]=4. A Hugging Face vocab.txt / tokenizer dir loads too
   (bert-base-uncased keeps its own ids 0/100/101/102/103: always go through special_token_ids).
   Training is deterministic: the same text gives the same vocabulary, ids included (see
-  train_tokenizer: `tokenizers` alone gave 5,711 of 30,522 ids and 10 tokens different between
-  two trainings on the same 20 MB of Wikipedia).
+  train_tokenizer; two trainings by `tokenizers` alone on the same 20 MB of Wikipedia gave 5,711
+  of 30,522 ids differently, and 10 tokens were in only one of the two vocabularies).
 - Corpus: a `datasets` hub name ("wikitext:wikitext-103-raw-v1" = load_dataset("wikitext",
   "wikitext-103-raw-v1")) or a local file / directory / glob of .txt .raw .jsonl .parquet,
   optionally .xz/.gz compressed (datasets 5 decompresses them on the fly). Documents are
@@ -96,7 +96,7 @@ def _alphabet(texts, normalizer, limit):
     """The `limit` most frequent characters after normalization (ties by code point), and those of
     them that can continue a word (not punctuation, not CJK, which the pre-tokenizer isolates)."""
     counts, buffer = np.zeros(0x110000, dtype=np.int64), []
-    def count(strings):  # numpy on UTF-32 code points: ~100x faster than normalizing the text itself
+    def count(strings):  # numpy on code points: 0.4 s for 20 MB of Wikipedia, 6.5 s via normalize_str
         codes = np.frombuffer("".join(strings).encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
         found = np.bincount(codes)
         counts[:len(found)] += found
@@ -123,6 +123,7 @@ def train_tokenizer(texts, vocab_size=30522, save_dir=None):
     texts: a list of strings, or a function returning a fresh iterator over strings or lists of
     strings; it is read twice (the alphabet, then the training).
     """
+    texts = texts if callable(texts) else list(texts)  # a generator could be read only once
     read = texts if callable(texts) else lambda: iter(texts)
     tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
     _bert_pipeline(tok)
@@ -404,7 +405,7 @@ def _cached_tokenizer(dir):
         return tok
     except (ValueError, OSError) as e:
         print(f"cached tokenizer {dir} is unreadable ({str(e)[:200]}): training it again")
-        shutil.rmtree(dir)
+        shutil.rmtree(dir, ignore_errors=True)
         return None
 
 def split_train_val(tokens, val_fraction, sep_id):
