@@ -626,10 +626,10 @@ def glue_table(report, compare=False):
         lines.append("Paper rows: dev sets; small models the mean of 4 seeds at Table 7's values, base models the "
                      "mean of 6 combinations drawn from Table 8's grid.")
     if marks:
-        lines.append("† collapsed: at least one run predicted one constant value on dev (correlations undefined, "
-                     "counted as 0; MCC 0). Its runs are listed below.")
+        lines.append("† collapsed: a run predicted one constant value for all of dev (one class, or one score: "
+                     "Pearson/Spearman undefined, counted as 0). The count per task is below.")
     if flag:
-        lines.append(f"Subsampled{flag.replace(';', ',')}: a quick run, not comparable with the papers' numbers.")
+        lines.append(f"{flag[2:]}: a quick run, not comparable with the papers' numbers.")
     for name, r in tasks.items():
         if r["status"] == "missing":
             lines.append(f"Missing: {name} ({r['reason']}).")
