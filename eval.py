@@ -184,8 +184,8 @@ def parse_seeds(spec):
         seeds = [int(s) for s in spec.split(",") if s.strip()]
     except ValueError:
         seeds = []
-    if not seeds or len(set(seeds)) != len(seeds):
-        raise ValueError(f"--seeds {spec!r}: expected distinct comma-separated integers, e.g. 1,2,3")
+    if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
+        raise ValueError(f"--seeds {spec!r}: expected distinct comma-separated integers >= 0, e.g. 1,2,3")
     return seeds
 
 
@@ -673,6 +673,7 @@ def validate_args(args):
         ("max_train_samples", lambda v: v >= 1, "an integer >= 1"),
         ("max_eval_samples", lambda v: v >= 1, "an integer >= 1"),
         ("num_combos", lambda v: v >= 1, "an integer >= 1"),
+        ("grid_seed", lambda v: v >= 0, "an integer >= 0"),
         ("num_sentences", lambda v: v >= 2, "an integer >= 2"),
     ]
     for flag, allowed, what in checks:

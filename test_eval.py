@@ -464,7 +464,7 @@ BAD_FLAGS = [  # (flags, what the error line must name)
     (["--dropout", "1"], "--dropout 1.0"), (["--dropout", "-0.5"], "--dropout -0.5"),
     (["--device", "tpu"], "--device tpu"), (["--device", "cuda:99"], "--device cuda:99"),
     (["--tasks", "rte,squad"], "unknown task 'squad'"), (["--seeds", ","], "--seeds"), (["--seeds", "1,x"], "--seeds"),
-    (["--seeds", "1,1"], "--seeds"), (["--predict_seed", "3"], "--predict_seed 3"),
+    (["--seeds", "1,1"], "--seeds"), (["--seeds=-1"], "--seeds"), (["--grid_seed", "-2"], "--grid_seed -2"), (["--predict_seed", "3"], "--predict_seed 3"),
     (["--max_train_samples", "0"], "--max_train_samples 0"), (["--max_eval_samples", "-3"], "--max_eval_samples -3"),
     (["--num_combos", "0"], "--num_combos 0"), (["--glue_dir", "{tmp}/nowhere"], "--glue_dir"),
     (["--out", "{tmp}/a_file"], "--out"), (["--plot_log", "{tmp}"], "--plot_log"),
