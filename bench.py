@@ -240,6 +240,7 @@ def bench(name, size, args, device):
     if device.type == "cuda":
         torch.cuda.empty_cache()
     torch.manual_seed(0)
+    t0 = time.perf_counter()
     config = BertConfig(**MODEL_PRESETS[size], dropout=args.dropout)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
     if name == "hf-mlm":
@@ -254,7 +255,7 @@ def bench(name, size, args, device):
              seq=args.seq_len, compile=args.compile, dropout=args.dropout,
              dtype="bf16 autocast" if device.type == "cuda" else "fp32", step_ms=step_ms, tokens_per_s=tokens_per_s,
              model_tflops=tokens_per_s * flops / 1e12, mfu=tokens_per_s * flops / peak_flops if peak_flops else None,
-             peak_mem_gb=peak_gb)
+             peak_mem_gb=peak_gb, run_s=time.perf_counter() - t0)  # run_s: build + compile + all steps
     return r, step
 
 
@@ -281,6 +282,13 @@ def hf_ratio(ours, hf):
     return ratio
 
 
+def write_json(path, obj):
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
 class Parser(argparse.ArgumentParser):
     def error(self, message):  # one line on stderr and exit 2, as train.py and eval.py
         print(f"error: {message}", file=sys.stderr)
@@ -288,6 +296,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def main(argv=None):
+    t_start = time.perf_counter()
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--objectives", default="all", help=f"comma list of {', '.join(LOSSES)}, or all")
     p.add_argument("--model_size", default="small", help=f"comma list of {', '.join(MODEL_PRESETS)}")
@@ -332,6 +341,8 @@ def main(argv=None):
         device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     except RuntimeError as e:
         p.error(f"--device {args.device}: {e}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: this torch sees no CUDA GPU")
     if device.type != "cuda":
         args.compile = 0  # CPU runs stay eager, as in train.py
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
@@ -356,6 +367,8 @@ def main(argv=None):
             if args.profile:
                 r["profile"] = profile_steps(step, args, device, f"{size} {name}")
             del step  # frees the model before the next run is built
+            if args.json:  # after every run, so a run cut off by a time limit keeps what it measured
+                write_json(args.json, dict(info=info, results=results, hf_ratios=ratios))
         ours = [r for r in results if r["model_size"] == size and r["objective"] == "mlm"]
         if args.hf and ours:
             ratios.append(hf_ratio(ours[0], results[-1]))
@@ -364,10 +377,8 @@ def main(argv=None):
         print("\n" + HEADER)
         print("\n".join([table_row(r) for r in results] + [ratio["line"] for ratio in ratios]))
     if args.json:
-        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        with open(args.json + ".tmp", "w") as f:
-            json.dump(dict(info=info, results=results, hf_ratios=ratios), f, indent=1)
-        os.replace(args.json + ".tmp", args.json)
+        write_json(args.json, dict(info=info, results=results, hf_ratios=ratios))
+    print(f"done in {time.perf_counter() - t_start:.0f} s", flush=True)
     return results
 
 
