@@ -805,7 +805,7 @@ def run_glue(args, log=print):
     runs_label = (f"seed {seeds[0]}" if n_runs == 1 else f"{len(seeds)} seeds" if combos == 1 else
                   f"{combos} combinations x {len(seeds)} seed{'s' * (len(seeds) > 1)}")
     report = dict(name=os.path.basename(os.path.normpath(model_dir)), model=args.model, recipe=args.recipe,
-                  model_size=size, protocol=protocol, shared=SHARED, seeds=seeds, runs_per_task=n_runs,
+                  model_size=size, protocol=protocol, seeds=seeds, runs_per_task=n_runs,
                   runs_label=runs_label, group_by_length=args.group_by_length, args=vars(args), device=str(device),
                   torch=torch.__version__, model_config=vars(cfg), time_s=time.time() - t_all, tasks=results)
     values = {stat: {(t, k): v for t, r in results.items() if r["status"] == "ok" for k, v in r[stat].items()}

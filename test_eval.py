@@ -554,3 +554,21 @@ def test_real_glue_test_sets(stem):
     assert len(ds) == TEST_ROWS[stem] and ds["index"][:3] == ["0", "1", "2"]
     assert ("text_b" in ds.column_names) == (len(ev.TASKS[name].tsv_text) == 2)
     assert all(isinstance(t, str) and t for t in ds["text_a"][:50])
+
+
+def test_base_protocol_end_to_end(tmp_path, tiny_model_dir):
+    glue = write_glue(tmp_path / "glue")
+    out = tmp_path / "out"
+    ev.main(["--model", str(tiny_model_dir), "--glue_dir", str(glue), "--tasks", "cola", "--model_size", "base",
+             "--num_combos", "2", "--epochs", "1", "--predict", "--out", str(out)])
+    saved = json.loads((out / "glue.json").read_text())
+    cola = saved["tasks"]["cola"]
+    assert list(cola["runs"]) == ["combo 1 seed 1", "combo 2 seed 1"] and saved["runs_per_task"] == 2
+    drawn = [{k: run["hparams"][k] for k in ("lr", "batch_size", "warmup")} for run in cola["runs"].values()]
+    expected = ev.recipe_runs(ev.TASKS["cola"], "paper", "base", num_combos=2)
+    assert drawn == [{k: e[k] for k in ("lr", "batch_size", "warmup")} for e in expected]
+    assert cola["grid"]["batch_size"] == [16, 32, 64] and cola["num_combos"] == 2
+    assert cola["mean"]["mcc"] == pytest.approx(np.mean([r["scores"]["mcc"] for r in cola["runs"].values()]))
+    best = max(cola["runs"], key=lambda label: cola["runs"][label]["scores"]["mcc"])
+    assert cola["predicted_by"] == best  # the test set is predicted by the best combination on dev
+    assert "mean of 2 combinations x 1 seed" in (out / "glue.md").read_text()
