@@ -16,6 +16,7 @@ Notable choices:
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, fields
 
 import torch
@@ -255,19 +256,24 @@ class Bert(nn.Module):
             out["bert.pooler.dense.weight"], out["bert.pooler.dense.bias"] = self.pooler.weight, self.pooler.bias
         return {k: v.detach().cpu().contiguous() for k, v in out.items()}
 
-    def save_pretrained(self, out_dir, tokenizer_dir=None, mlm_head=True):
+    def save_pretrained(self, out_dir, tokenizer_dir=None, mlm_head=True, step=None):
         """Write a directory that transformers.AutoModelForMaskedLM.from_pretrained loads,
         with the tokenizer files copied from tokenizer_dir. Each file is written atomically.
         mlm_head=False writes the encoder alone under BertModel's names (for objectives that
-        never train this head: COCO-LM, ELECTRA)."""
+        never train this head: COCO-LM, ELECTRA). step: the training step, recorded in both
+        the weights' metadata and config.json ("training_step"), so a reader can tell that
+        the two files (and train.py's ckpt.pt) belong together."""
         from safetensors.torch import save_file
         os.makedirs(out_dir, exist_ok=True)
         state, hf_config = self.hf_state_dict(), config_to_hf(self.config)
+        metadata = {"format": "pt"}
+        if step is not None:
+            hf_config["training_step"], metadata["training_step"] = step, str(step)
         if not mlm_head:
             state = {k[len("bert."):]: v for k, v in state.items() if k.startswith("bert.")}
             hf_config["architectures"] = ["BertModel"]
         weights = os.path.join(out_dir, "model.safetensors")
-        save_file(state, weights + ".tmp", metadata={"format": "pt"})
+        save_file(state, weights + ".tmp", metadata=metadata)
         os.replace(weights + ".tmp", weights)
         _write_atomic(os.path.join(out_dir, "config.json"), json.dumps(hf_config, indent=2))
         if tokenizer_dir and os.path.abspath(tokenizer_dir) != os.path.abspath(out_dir):
@@ -351,22 +357,40 @@ def _read_weights(path):
         if os.path.isfile(st):
             from safetensors.torch import load_file
             return load_file(st)
-        if os.path.isfile(pt):
+        if os.path.isfile(pt):  # the safe loader: a pickle that would run code is refused
             return torch.load(pt, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise ValueError(f"{path}: corrupt weights file ({type(e).__name__}: {str(e)[:200]})") from None
+        unsafe = re.search(r"GLOBAL ([\w.]+) was not an allowed global", str(e))
+        if unsafe:
+            raise ValueError(f"{pt}: refused: it holds a Python object ({unsafe.group(1)}) that only an unsafe "
+                             f"load would run; weights files hold tensors only") from None
+        raise ValueError(f"{path}: corrupt weights file ({type(e).__name__}: {_last_line(e)})") from None
     raise ValueError(f"{path}: no model.safetensors or pytorch_model.bin")
 
 
 def load_checkpoint_file(path):
-    """torch.load a training checkpoint, turning any failure into one clear ValueError."""
+    """Read a training checkpoint with torch's safe loader (tensors, numbers, strings, lists, dicts):
+    a file that holds any other Python object is refused, never unpickled, so no code in it runs.
+    Every failure is one clear ValueError."""
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise ValueError(f"{path}: corrupt or unreadable checkpoint ({type(e).__name__}: {str(e)[:200]})") from None
+        unsafe = re.search(r"GLOBAL ([\w.]+) was not an allowed global", str(e))
+        if unsafe:
+            hint = (" (checkpoints of train.py before safe loading pickled numpy's RNG state: retrain, or load it "
+                    "once with torch.load(weights_only=False) if you trust it and re-save it without 'rng')"
+                    if unsafe.group(1).startswith("numpy") else "")
+            raise ValueError(f"{path}: refused: it holds a Python object ({unsafe.group(1)}) that only an unsafe "
+                             f"load would run; a checkpoint holds tensors and plain values{hint}") from None
+        raise ValueError(f"{path}: corrupt or unreadable checkpoint ({type(e).__name__}: {_last_line(e)})") from None
     if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
         raise ValueError(f"{path}: not a checkpoint of this project (no model / model_config)")
     return ckpt
+
+
+def _last_line(e):
+    lines = [line for line in str(e).splitlines() if line.strip() and "documentation" not in line]
+    return (lines[-1] if lines else "")[:200]
 
 
 def _load_project_checkpoint(path):

@@ -74,12 +74,16 @@ def test_help_lists_fields_with_comments():
 
 
 def test_micro_batching_keeps_the_global_batch():
-    base = train.TrainConfig(**train.PRESETS["base"])  # 64 x 256 tokens per process, 65,536 per step
-    assert train.micro_batching(base, 1) == (64, 4)
-    assert train.micro_batching(base, 8) == (32, 1)  # 8 GPUs: the cap drops to 32 sequences each
-    assert train.micro_batching(base, 16) == (16, 1)
+    tacl = train.TrainConfig(**train.PRESETS["tacl"])  # 64 x 256 tokens per process, 65,536 per step
+    assert train.micro_batching(tacl, 1) == (64, 4)
+    assert train.micro_batching(tacl, 8) == (32, 1)  # 8 GPUs: the cap drops to 32 sequences each
+    assert train.micro_batching(tacl, 16) == (16, 1)
     with pytest.raises(ValueError, match="not a multiple"):
-        train.micro_batching(base, 3)  # 65,536 tokens do not split over 3 processes
+        train.micro_batching(tacl, 3)  # 65,536 tokens do not split over 3 processes
+    base = train.TrainConfig(**train.PRESETS["base"], objective="taco")  # 1,280 x 256 per step, pools of 80
+    assert train.micro_batching(base, 1) == (80, 16) and train.micro_batching(base, 16) == (80, 1)
+    with pytest.raises(ValueError, match="negative_pool 80"):
+        train.micro_batching(base, 32)  # 40 sequences per process: no whole pool of 80
 
 
 def test_lr_schedule_warmup_then_linear_decay():
@@ -144,7 +148,7 @@ def test_bad_input_is_one_clear_error(corpus, tmp_path):
     assert run(common(corpus, tmp_path, out="good", max_steps=5, ckpt_interval=5)).returncode == 0
     saved = (tmp_path / "good" / "ckpt.pt").read_bytes()
     cases = [
-        (["--objective", "bogus"], "unknown objective"),
+        (["--objective", "bogus"], "--objective 'bogus': choose from"),
         (["--bogus_flag", "1"], "unknown flag"),
         (["--data", tmp_path / "missing.txt"], "missing.txt"),
         (["--data", tmp_path / "empty.txt"], "empty"),

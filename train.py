@@ -8,18 +8,21 @@ a multi-node GPU cluster.
 
 Flags are the TrainConfig fields below (--name value or --name=value); --help lists them.
 """
+import hashlib
 import inspect
 import json
 import math
 import os
-import random
 import re
+import signal
+import socket
+import subprocess
 import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, asdict, fields, replace
+from datetime import timedelta
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -73,7 +76,7 @@ class TrainConfig:
     cocolm_crop_fraction: float = 0.9  # share of tokens kept in SCL's cropped view (COCO-LM §3.2)
     electra_disc_weight: float = 50.0  # lambda on the discriminator loss (ELECTRA §2)
     # system
-    device: str = "auto"  # auto | cpu | cuda | mps
+    device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
     dtype: str = "auto"  # auto (bf16 on GPUs that have it, else fp16 with a GradScaler; fp32 on CPU) | fp32 | bf16 | fp16
     compile: bool = True  # torch.compile the model (CUDA only; CPU runs stay eager)
     seed: int = 1337  # model init, data order and every random draw of the objectives
@@ -149,7 +152,7 @@ def print_help(spec, argv):
     """Each flag with the chosen preset's value (--preset NAME before or after --help) and its source."""
     preset = next((a.partition("=")[2] or (argv[i + 1] if i + 1 < len(argv) else "") for i, a in enumerate(argv)
                    if a.partition("=")[0] == "--preset"), TrainConfig.preset)
-    values, sources = PRESETS.get(preset, {}), PRESET_SOURCES.get(preset, {})
+    values, sources = {**PRESETS.get(preset, {}), "preset": preset}, PRESET_SOURCES.get(preset, {})
     print(__doc__)
     print(f"flags, with the values of --preset {preset} (choices: {', '.join(PRESETS)}):")
     for name, (typ, default, comment) in spec.items():
@@ -189,6 +192,95 @@ def parse_args(argv):
     return replace(TrainConfig(), **{**PRESETS[preset], **given}), given
 
 
+DTYPES = ("auto", "fp32", "bf16", "fp16")
+# lower bounds, with the reason a smaller value cannot work
+MINIMUM = dict(seq_len=(3, "room for [CLS] and [SEP]"), batch_size=(1, ""), tokens_per_step=(1, ""),
+               max_steps=(1, ""), warmup_steps=(0, ""), log_interval=(1, ""), eval_interval=(1, ""),
+               eval_batches=(1, ""), ckpt_interval=(1, ""), weight_decay=(0, ""), grad_clip=(0, "0 = off"),
+               gen_layers=(0, "0 = the gen_shape's own"), negative_pool=(0, "0 = the micro-batch"),
+               vocab_size=(100, "5 special tokens and enough WordPiece pieces to spell words"),
+               taco_window=(2, "positives within +-W//2: W = 2 is the smallest with one offset"),
+               taco_negatives=(1, ""), taco_weight=(0, ""), cocolm_copy_weight=(0, ""), electra_disc_weight=(0, ""))
+POSITIVE = ("lr", "adam_eps", "taco_temperature", "tacl_temperature", "cocolm_scl_temperature")
+# half-open ranges (low, high, low included, high included)
+RANGES = dict(mask_prob=(0, 1, False, False), dropout=(0, 1, True, False), beta2=(0, 1, True, False),
+              cocolm_crop_fraction=(0, 1, False, True), val_fraction=(0, 0.5, True, True))
+
+
+def validate(cfg):
+    """Every flag checked once, before anything is loaded or written: a violation is a ValueError
+    naming the flag, its value and what is allowed (main() prints it as one `error:` line, exit 2)."""
+    from losses import LOSSES
+
+    def need(ok, name, allowed):
+        if not ok:
+            raise ValueError(f"--{name} {getattr(cfg, name)!r}: {allowed}")
+
+    for f in fields(cfg):
+        if isinstance(getattr(cfg, f.name), float):
+            need(math.isfinite(getattr(cfg, f.name)), f.name, "must be a finite number")
+    for name, allowed in dict(objective=LOSSES, model_size=MODEL_PRESETS, preset=PRESETS, dtype=DTYPES,
+                              taco_anchors=("all", "masked"), gen_shape=("cocolm", "electra")).items():
+        need(getattr(cfg, name) in allowed, name, "choose from " + ", ".join(allowed))
+    for name, (low, why) in MINIMUM.items():
+        need(getattr(cfg, name) >= low, name, f"must be >= {low}" + (f" ({why})" if why else ""))
+    for name in POSITIVE:
+        need(getattr(cfg, name) > 0, name, "must be > 0")
+    for name, (low, high, low_in, high_in) in RANGES.items():
+        v = getattr(cfg, name)
+        need((v >= low if low_in else v > low) and (v <= high if high_in else v < high), name,
+             f"must be in {'[(' [not low_in]}{low}, {high}{')]'[high_in]}")
+    need(cfg.warmup_steps <= cfg.max_steps, "warmup_steps", f"must be <= --max_steps {cfg.max_steps}")
+    device = re.fullmatch(r"auto|cpu|mps|cuda(?::(\d+))?", cfg.device)
+    need(device, "device", "choose from auto, cpu, cuda, cuda:N, mps")
+    if cfg.device.startswith("cuda"):
+        need(torch.cuda.is_available(), "device", "CUDA is not available on this machine (use cpu or auto)")
+        need(device.group(1) is None or int(device.group(1)) < torch.cuda.device_count(), "device",
+             f"this machine has {torch.cuda.device_count()} CUDA device(s)")
+    need(cfg.device != "mps" or torch.backends.mps.is_available(), "device", "MPS is not available on this machine")
+    for name in ("out_dir", "cache_dir"):
+        need(dir_problem(getattr(cfg, name)) is None, name, dir_problem(getattr(cfg, name)))
+    if not cfg.resume and os.path.isfile(os.path.join(cfg.out_dir, "ckpt.pt")):
+        raise ValueError(f"--out_dir {cfg.out_dir} already holds a run: pass --resume {cfg.out_dir} to continue "
+                         f"it, or choose another --out_dir")
+
+
+def dir_problem(path):
+    """Why `path` cannot be (made) a writable directory, or None."""
+    if not path.strip():
+        return "must name a directory"
+    if os.path.exists(path) and not os.path.isdir(path):
+        return "is an existing file, not a directory"
+    parent = os.path.abspath(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        return f"cannot be created or written ({parent} is not a writable directory)"
+    return None
+
+
+# what --resume may not change: the model and its vocabulary, the data order and the validation split
+FIXED_ON_RESUME = ("objective", "model_size", "seq_len", "vocab_size", "data", "tokenizer", "seed", "val_fraction")
+
+
+def resume_config(cfg, given):
+    """(config, checkpoint) of --resume: the checkpoint's config with the flags given now on top."""
+    path = os.path.join(cfg.resume, "ckpt.pt") if os.path.isdir(cfg.resume) else cfg.resume
+    if not os.path.isfile(path):
+        raise ValueError(f"--resume {cfg.resume}: no checkpoint there")
+    ckpt = load_checkpoint_file(path)
+    run_dir = os.path.dirname(path) or "."
+    saved = TrainConfig(**{k: v for k, v in ckpt["config"].items() if k in {f.name for f in fields(TrainConfig)}})
+    for name in FIXED_ON_RESUME:
+        if name in given and given[name] != getattr(saved, name):
+            raise ValueError(f"--resume {path}: checkpoint has {name}={getattr(saved, name)!r}, flags say "
+                             f"{given[name]!r} (it would change the model, its vocabulary or the data order)")
+    if "out_dir" in given and os.path.realpath(given["out_dir"]) != os.path.realpath(run_dir):
+        raise ValueError(f"--resume continues the run in {run_dir}; --out_dir {given['out_dir']} is another "
+                         f"directory (to start a new run from its weights, use --init_from {run_dir})")
+    return replace(saved, **{**{k: v for k, v in given.items() if k != "preset"}, "out_dir": run_dir}), ckpt
+
+
 # ---------------------------------------------------------------------------------------
 # helpers the loop uses (importable by tests and bench.py)
 
@@ -218,11 +310,12 @@ def lr_at(step, cfg):
     return cfg.lr * max(0.0, (cfg.max_steps - step) / max(1, cfg.max_steps - cfg.warmup_steps))
 
 
-def step_seed(seed, step, micro_index):
-    # every micro-batch's random draws (masks, negatives, samples) come from a generator seeded
-    # by (seed, step, global micro-batch index): resuming needs no generator state, and two
-    # DDP ranks draw exactly what one process accumulating two micro-batches draws
-    return hash((seed, step, micro_index)) % (2 ** 62)
+def step_seed(seed, step, micro_index, stream=0):
+    # every micro-batch's random draws come from generators seeded by (seed, step, global micro-batch
+    # index): stream 0 is the objective's (masks, negatives, samples), stream 1 torch's global RNG
+    # (dropout). Resuming needs no RNG state, and two DDP ranks draw exactly what one process
+    # accumulating two micro-batches draws. Tuples of ints hash the same in every process.
+    return hash((seed, step, micro_index, stream)) % (2 ** 62)
 
 
 def micro_batching(cfg, world):
@@ -248,17 +341,101 @@ def atomic_save(obj, path):
     os.replace(path + ".tmp", path)
 
 
-def rng_state():
-    return dict(python=random.getstate(), numpy=np.random.get_state(), torch=torch.get_rng_state(),
-                cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+def write_atomic(path, text):
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
 
 
-def set_rng_state(state):
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+class Diverged(RuntimeError):
+    """A non-finite loss or gradient norm: the run stops before it can save NaN weights."""
+
+
+def take_lock(out_dir):
+    """out_dir/.lock holds "pid host" while a run writes there: a second run on the same out_dir is
+    refused; a lock whose process is dead on this host (a killed run) is taken over."""
+    os.makedirs(out_dir, exist_ok=True)
+    path, me = os.path.join(out_dir, ".lock"), f"{os.getpid()} {socket.gethostname()}"
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            try:
+                pid, host = open(path).read().split()
+                pid = int(pid)
+            except (OSError, ValueError):
+                pid, host = None, None  # an empty lock: its writer died between create and write
+            if pid is None or host == socket.gethostname() and pid != os.getpid() and not pid_alive(pid):
+                os.remove(path)  # a stale lock
+                continue
+            raise ValueError(f"--out_dir {out_dir} is in use by process {pid} on {host} (its .lock); "
+                             f"if that run is gone, delete {path}") from None
+        with os.fdopen(fd, "w") as f:
+            f.write(me)
+        return path
+    raise ValueError(f"--out_dir {out_dir}: could not take {path}")
+
+
+def pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def repair_log(path):
+    """A run killed mid-write leaves a partial last line in log.jsonl: drop it, so the next record
+    starts on its own line."""
+    if not os.path.isfile(path) or os.path.getsize(path) == 0:
+        return
+    with open(path, "rb+") as f:
+        f.seek(-1, os.SEEK_END)
+        if f.read(1) == b"\n":
+            return
+        f.seek(0)
+        text = f.read()
+        f.seek(text.rfind(b"\n") + 1)
+        f.truncate()
+
+
+def provenance(out_dir=None):
+    """The code that ran: git commit, whether the checkout had local changes (and the sha1 of
+    `git diff HEAD`, saved as out_dir/code.diff), torch version, host. Outside git: commit None."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    git = lambda *args: subprocess.run(["git", *args], cwd=here, capture_output=True, text=True, timeout=30)
+    commit, diff = None, ""
+    try:
+        out = git("rev-parse", "HEAD")
+        if out.returncode == 0:
+            commit, diff = out.stdout.strip(), git("diff", "HEAD").stdout
+    except (OSError, subprocess.SubprocessError):
+        pass
+    if diff and out_dir:
+        write_atomic(os.path.join(out_dir, "code.diff"), diff)
+    return dict(git_commit=commit, dirty=bool(diff), diff_sha1=hashlib.sha1(diff.encode()).hexdigest() if diff else None,
+                torch=torch.__version__, host=socket.gethostname())
+
+
+def export_step(out_dir):
+    """The training step recorded in the Hugging Face export (model.safetensors and config.json), or
+    None when the two disagree or are missing."""
+    try:
+        from safetensors import safe_open
+        with safe_open(os.path.join(out_dir, "model.safetensors"), "pt") as f:
+            weights_step = (f.metadata() or {}).get("training_step")
+        with open(os.path.join(out_dir, "config.json")) as f:
+            config_step = json.load(f).get("training_step")
+    except Exception:
+        return None
+    return config_step if weights_step is not None and str(config_step) == weights_step else None
+
+
+def duration(seconds):
+    seconds = int(seconds)
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
 
 
 def flops_per_token(config, seq_len, mask_prob):
@@ -299,41 +476,43 @@ def evaluate(model, objective, val_loader, cfg, device, autocast):
 # ---------------------------------------------------------------------------------------
 
 def main(argv=None):
+    lock = None
     try:
         cfg, given = parse_args(sys.argv[1:] if argv is None else argv)
-        train(cfg, given)
-    except ValueError as e:  # bad input: one clear line, non-zero exit, nothing saved is touched
+        ckpt = None
+        if cfg.resume:
+            cfg, ckpt = resume_config(cfg, given)
+        validate(cfg)
+        if int(os.environ.get("RANK", 0)) == 0:
+            lock = take_lock(cfg.out_dir)  # before anything is written there
+        code = train(cfg, ckpt)
+    except ValueError as e:  # bad input: one clear line, exit 2, nothing saved is touched
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except Diverged as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    finally:
+        if lock and os.path.isfile(lock) and open(lock).read().split()[:1] == [str(os.getpid())]:
+            os.remove(lock)
+    if code:
+        sys.exit(code)
 
 
-def train(cfg, given):
+# a frozen or dead rank fails the others' next collective after this long, instead of hanging for good
+DDP_TIMEOUT = timedelta(minutes=15)
+# ranks > 0 wait while rank 0 trains the tokenizer and tokenizes the corpus, hours for a full
+# Wikipedia: that one barrier runs on its own gloo group with a long timeout (NCCL's default of
+# 10 min would kill the job), so the training collectives keep the short one above
+DATA_TIMEOUT = timedelta(hours=6)
+NOT_YET = 2 ** 62  # first_bad holds this until a non-finite loss is seen
+
+
+def train(cfg, ckpt=None):
+    """The run. Returns 0, or 128 + the signal number when SIGINT / SIGTERM stopped it."""
     import data
     from analysis import contextual_score, wordsim_similarity
     from losses import LOSSES
-
-    # ---- resume: the checkpoint's config, with the flags given now on top
-    ckpt = None
-    if cfg.resume:
-        path = os.path.join(cfg.resume, "ckpt.pt") if os.path.isdir(cfg.resume) else cfg.resume
-        if not os.path.isfile(path):
-            raise ValueError(f"--resume {cfg.resume}: no checkpoint there")
-        ckpt = load_checkpoint_file(path)
-        saved = TrainConfig(**{k: v for k, v in ckpt["config"].items() if k in {f.name for f in fields(TrainConfig)}})
-        for name in ("objective", "model_size", "seq_len", "vocab_size", "data", "tokenizer"):
-            if name in given and given[name] != getattr(saved, name):
-                raise ValueError(f"--resume {path}: checkpoint has {name}={getattr(saved, name)!r}, "
-                                 f"flags say {given[name]!r}")
-        cfg = replace(saved, **{k: v for k, v in given.items() if k != "preset"})
-        if "out_dir" not in given:
-            cfg.out_dir = os.path.dirname(path) or "."
-    if cfg.objective not in LOSSES:
-        raise ValueError(f"unknown objective {cfg.objective!r} (choose from {', '.join(LOSSES)})")
-    if cfg.model_size not in MODEL_PRESETS:
-        raise ValueError(f"unknown model_size {cfg.model_size!r} (choose from {', '.join(MODEL_PRESETS)})")
-    if not cfg.resume and os.path.isfile(os.path.join(cfg.out_dir, "ckpt.pt")):
-        raise ValueError(f"{cfg.out_dir} already holds a run: pass --resume {cfg.out_dir} to continue it, "
-                         f"or choose another --out_dir")
 
     # ---- distributed setup: torchrun sets RANK / WORLD_SIZE / LOCAL_RANK
     ddp = "RANK" in os.environ
@@ -344,12 +523,13 @@ def train(cfg, given):
         if device == "cuda":
             device = f"cuda:{local_rank}"
             torch.cuda.set_device(device)
-        dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+        dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo", timeout=DDP_TIMEOUT)
+        data_group = dist.new_group(backend="gloo", timeout=DATA_TIMEOUT)
     else:
         rank, world = 0, 1
     master = rank == 0
     device_type = "cuda" if device.startswith("cuda") else device
-    torch.manual_seed(cfg.seed + rank)
+    torch.manual_seed(cfg.seed)  # the initial weights (DDP broadcasts rank 0's anyway)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
 
     # ---- weights to start from, then the tokenizer that matches them
@@ -368,13 +548,19 @@ def train(cfg, given):
               f"sequences would exceed tokens_per_step {cfg.tokens_per_step}")
     cfg.batch_size = batch_size
 
-    # ---- data: rank 0 tokenizes into the cache, the others then read the cache
+    # ---- data: rank 0 tokenizes into the cache, the others then read the cache. A resumed run
+    # reads its own vocabulary from its directory, never the cache's or a newly trained one.
+    tokenizer = cfg.tokenizer or None
+    if ckpt:
+        tokenizer = cfg.out_dir
+        if not any(os.path.isfile(os.path.join(cfg.out_dir, f)) for f in ("tokenizer.json", "vocab.txt")):
+            raise ValueError(f"--resume {cfg.out_dir}: the run's tokenizer.json / vocab.txt are missing")
     if ddp and not master:
-        dist.barrier()
-    tok, train_tokens, val_tokens = data.prepare_data(cfg.data, cfg.cache_dir, cfg.tokenizer or None,
-                                                      cfg.vocab_size, cfg.val_fraction)
+        dist.barrier(group=data_group)
+    tok, train_tokens, val_tokens = data.prepare_data(cfg.data, cfg.cache_dir, tokenizer, cfg.vocab_size,
+                                                      cfg.val_fraction)
     if ddp and master:
-        dist.barrier()
+        dist.barrier(group=data_group)
     special = data.special_token_ids(tok)
     loader_args = dict(seq_len=cfg.seq_len, cls_id=special["cls"], sep_id=special["sep"], device=device)
     train_loader = data.BlockLoader(train_tokens, batch_size=cfg.batch_size, rank=rank, world_size=world,
@@ -400,6 +586,7 @@ def train(cfg, given):
     objective = LOSSES[cfg.objective](model, cfg).to(device)
     params = list(model.parameters()) + [p for p in objective.parameters() if p.requires_grad]
     optimizer = configure_optimizer(params, cfg, device_type)
+    trains_head = any(p.requires_grad for p in model.head.parameters())  # COCO-LM, ELECTRA: export without it
 
     dtype = cfg.dtype
     if dtype == "auto":
@@ -408,18 +595,17 @@ def train(cfg, given):
     autocast = nullcontext() if dtype == "fp32" else torch.autocast(device_type, dtype=ptdtype)
     scaler = torch.amp.GradScaler(device_type, enabled=dtype == "fp16")
 
-    step = 0
+    step = saved_step = 0
     if ckpt:
         try:
             model.load_state_dict(ckpt["model"])
             objective.load_state_dict(ckpt["objective"])
             optimizer.load_state_dict(ckpt["optimizer"])
-        except (RuntimeError, ValueError, KeyError) as e:
+            train_loader.load_state_dict(ckpt["loader"])  # global sequences read: exact on any batch / world size
+        except (RuntimeError, ValueError, KeyError, TypeError) as e:
             raise ValueError(f"--resume: checkpoint does not match this run ({str(e).splitlines()[0][:200]})") from None
         scaler.load_state_dict(ckpt["scaler"])
-        train_loader.load_state_dict(ckpt["loader"][rank] if world == len(ckpt["loader"]) else ckpt["loader"][0])
-        set_rng_state(ckpt["rng"][rank] if rank < len(ckpt["rng"]) else ckpt["rng"][0])
-        step = ckpt["step"]
+        step = saved_step = ckpt["step"]
 
     # compile the encoder's forward (fixed shapes, so never a recompile): +28% tokens/s measured on an
     # H100 (README, Efficiency notes). Compiling the whole step graph-breaks at every seeded random
@@ -430,14 +616,18 @@ def train(cfg, given):
     if ddp:
         trainer = DDP(trainer)
 
-    # ---- logging, checkpoints
+    # ---- the run directory: tokenizer (once), log, export that matches ckpt.pt; what this run will do
     log_file = None
     if master:
-        os.makedirs(cfg.out_dir, exist_ok=True)
-        data.save_tokenizer(tok, cfg.out_dir)
-        log_file = open(os.path.join(cfg.out_dir, "log.jsonl"), "a")
-        if not ckpt:
-            log_file.write(json.dumps({"config": asdict(cfg), "model_config": asdict(model_config)}) + "\n")
+        if not ckpt:  # a resumed run's tokenizer is the one in its directory: never rewritten
+            data.save_tokenizer(tok, cfg.out_dir)
+        log_path = os.path.join(cfg.out_dir, "log.jsonl")
+        repair_log(log_path)
+        log_file = open(log_path, "a")
+        start = {"config": asdict(cfg), "provenance": provenance(cfg.out_dir)}
+        start.update({"resumed_from_step": step} if ckpt else {"model_config": asdict(model_config)})
+        log_file.write(json.dumps(start) + "\n")
+        log_file.flush()
         print(f"{cfg.objective} | {model.num_params() / 1e6:.1f}M params | {world} process(es) on {device}, {dtype}")
         print(f"tokens_per_step {cfg.tokens_per_step} = batch_size {cfg.batch_size} x seq_len {cfg.seq_len} "
               f"x {world} process(es) x grad_accum {grad_accum}")
@@ -445,27 +635,58 @@ def train(cfg, given):
             pool = cfg.negative_pool or cfg.batch_size
             print(f"negative pool: {pool} sequences" + ("" if cfg.negative_pool else
                   " (the per-process micro-batch: changes with the layout; --negative_pool fixes it)"))
+        epochs = cfg.max_steps * (cfg.tokens_per_step // cfg.seq_len) / train_loader.num_blocks
+        print(f"this run reads the {len(train_tokens) / 1e6:.1f}M-token training split {epochs:.2f} times (epochs): "
+              f"{cfg.max_steps:,} steps x {cfg.tokens_per_step:,} tokens")
+        if ckpt:
+            print(f"resumed from step {step} (of {cfg.max_steps}) in {cfg.out_dir}")
+            old = TrainConfig(**{k: v for k, v in ckpt["config"].items() if k in {f.name for f in fields(TrainConfig)}})
+            if lr_at(step, old) != lr_at(step, cfg):
+                changed = ", ".join(f"{k} {getattr(old, k)} -> {getattr(cfg, k)}" for k in ("lr", "warmup_steps", "max_steps")
+                                    if getattr(old, k) != getattr(cfg, k))
+                print(f"the learning-rate schedule moved ({changed}): lr at step {step} was {lr_at(step, old):.2e}, "
+                      f"now {lr_at(step, cfg):.2e} (warm-up {cfg.warmup_steps}, linear decay to 0 at {cfg.max_steps})")
+            if export_step(cfg.out_dir) != step:  # a run killed between the export and ckpt.pt: ckpt.pt wins
+                model.save_pretrained(cfg.out_dir, mlm_head=trains_head, step=step)
+                print(f"rewrote the Hugging Face export in {cfg.out_dir} from ckpt.pt (step {step})")
 
     def log(record):
         if master:
             log_file.write(json.dumps(record) + "\n")
             log_file.flush()
 
-    def save_checkpoint(loader_state, rng):
-        # gather every rank's loader and RNG state, so each rank resumes its own stream
-        states = [None] * world
-        if ddp:
-            dist.all_gather_object(states, (loader_state, rng))
-        else:
-            states = [(loader_state, rng)]
-        if not master:
+    first_bad = torch.full((), NOT_YET, dtype=torch.long, device=device)  # first step with a non-finite loss
+
+    def check_finite(metrics, collective=True):
+        """Stop with Diverged on a non-finite loss / grad norm since the last check (the device-side
+        first_bad, read here only: at log steps and before saves, so no host sync per step). Before
+        a save, the weights too. `collective`: all ranks check at this step, so all stop together."""
+        bad = first_bad.clone()
+        if ddp and collective:
+            dist.all_reduce(bad, op=dist.ReduceOp.MIN)
+        bad = int(bad)
+        if bad == NOT_YET and not all(bool(torch.isfinite(p).all()) for p in params):
+            bad = step
+        if bad != NOT_YET:
+            terms = " | ".join(f"{k} {float(v):.4g}" for k, v in metrics.items())
+            kept = (f"{cfg.out_dir}/ckpt.pt and its export keep step {saved_step}" if saved_step else
+                    "nothing was saved")
+            raise Diverged(f"non-finite loss or gradient norm at step {bad} (step {step}: {terms}); stopped "
+                           f"without saving: {kept}. Try a lower learning rate: "
+                           + (f"python train.py --resume {cfg.out_dir} --lr {cfg.lr / 2:.3g}" if saved_step else
+                              f"--lr {cfg.lr / 2:.3g}"))
+
+    def save_checkpoint(metrics, collective=True):
+        nonlocal saved_step
+        check_finite(metrics, collective)  # a diverged run never overwrites the last good checkpoint
+        if not master:  # one writer: the ranks hold the same weights, and the loader state is global
             return
+        # the export first, then ckpt.pt (what --resume trusts, and it rewrites an export of another step)
+        model.save_pretrained(cfg.out_dir, mlm_head=trains_head, step=step)
         atomic_save(dict(model=model.state_dict(), model_config=asdict(model_config), objective=objective.state_dict(),
                          optimizer=optimizer.state_dict(), scaler=scaler.state_dict(), step=step,
-                         loader=[s[0] for s in states], rng=[s[1] for s in states], config=asdict(cfg)),
-                    os.path.join(cfg.out_dir, "ckpt.pt"))
-        # the Hugging Face export, next to its tokenizer files; without the MLM head if the objective never trains it
-        model.save_pretrained(cfg.out_dir, mlm_head=any(p.requires_grad for p in model.head.parameters()))
+                         loader=train_loader.state_dict(), config=asdict(cfg)), os.path.join(cfg.out_dir, "ckpt.pt"))
+        saved_step = step
 
     def run_eval():
         if master:
@@ -480,39 +701,56 @@ def train(cfg, given):
             log(record)
             print(f"step {step:6d} | " + " | ".join(f"{k} {v:.4f}" for k, v in record.items() if k != "step"))
 
+    # SIGINT (Ctrl-C) and SIGTERM (what schedulers send before SIGKILL) stop the run between two steps,
+    # never inside one; a second signal stops it at once
+    stop = []
+
+    def on_signal(signum, frame):
+        if stop:
+            raise KeyboardInterrupt
+        stop.append(signum)
+
+    handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     peak = gpu_peak_flops(device) if device_type == "cuda" else None
     flops = flops_per_token(model_config, cfg.seq_len, cfg.mask_prob)
-    loader_state, rng = train_loader.state_dict(), rng_state()
-    t0 = t_log = time.time()
-    tokens_since_log = 0
+    first_step, t0 = step, time.time()
+    t_log, tokens_since_log = t0, 0
+    metrics = {}
     try:
         if step == 0:
             run_eval()  # the untrained baseline
-        while step < cfg.max_steps:
+        while step < cfg.max_steps and not stop:
             lr = lr_at(step, cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
+            bad = torch.zeros((), dtype=torch.bool, device=device)
             for micro in range(grad_accum):
                 batch = {"input_ids": train_loader.next_batch()}
                 gen = torch.Generator(device).manual_seed(step_seed(cfg.seed, step, micro * world + rank))
+                torch.manual_seed(step_seed(cfg.seed, step, micro * world + rank, stream=1))  # dropout
                 # sync gradients across ranks only on the last micro-step
                 sync = trainer.no_sync() if ddp and micro < grad_accum - 1 else nullcontext()
                 with sync:
                     with autocast:
                         loss, metrics = trainer(batch, gen)
                     scaler.scale(loss / grad_accum).backward()
+                bad |= ~torch.isfinite(loss.detach())
             if cfg.grad_clip > 0:
                 scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+                norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+                if not scaler.is_enabled():  # under fp16 an inf gradient only makes the GradScaler skip the step
+                    bad |= ~torch.isfinite(norm)
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
             step += 1
+            first_bad.masked_fill_(bad & (first_bad == NOT_YET), step)
             tokens_since_log += cfg.tokens_per_step
-            loader_state, rng = train_loader.state_dict(), rng_state()
+            metrics = {"loss": loss.detach(), **metrics}
 
             if step % cfg.log_interval == 0 or step == cfg.max_steps:
-                record = {"step": step, "loss": loss.item(), **{k: float(v) for k, v in metrics.items()}, "lr": lr}
+                record = {"step": step, **{k: float(v) for k, v in metrics.items()}, "lr": lr}
+                check_finite(metrics)
                 dt, t_log = time.time() - t_log, time.time()
                 record["tokens_per_s"] = tokens_since_log / dt
                 tokens_since_log = 0
@@ -524,25 +762,40 @@ def train(cfg, given):
                     terms = " | ".join(f"{k} {v:.4f}" for k, v in record.items() if k not in (
                         "step", "lr", "tokens_per_s", "mfu", "elapsed_s"))
                     mfu = f" | mfu {record['mfu']:.1%}" if peak else ""
-                    print(f"step {step:6d} | {terms} | lr {lr:.2e} | {record['tokens_per_s'] / 1e3:.1f}k tok/s"
-                          f"{mfu} | {record['elapsed_s']:.0f}s", flush=True)
+                    eta = record["elapsed_s"] / (step - first_step) * (cfg.max_steps - step)
+                    print(f"step {step}/{cfg.max_steps} | {terms} | lr {lr:.2e} | "
+                          f"{record['tokens_per_s'] / 1e3:.1f}k tok/s{mfu} | {duration(record['elapsed_s'])} "
+                          f"| eta {duration(eta)}", flush=True)
             if step % cfg.eval_interval == 0 or step == cfg.max_steps:
                 run_eval()
             if step % cfg.ckpt_interval == 0 or step == cfg.max_steps:
-                save_checkpoint(loader_state, rng)
-    except KeyboardInterrupt:
-        # Ctrl-C: keep the last completed step (the interrupted one is redone on --resume)
-        if ddp:  # the ranks stop at different points, so no collective save: the last periodic one stands
+                save_checkpoint(metrics)
+        if stop:  # between two steps: every rank holds the weights of `step`, rank 0 saves them
+            name = signal.Signals(stop[0]).name
+            if step > saved_step:
+                save_checkpoint(metrics, collective=False)
             if master:
-                print(f"interrupted at step {step}: --resume continues from the last periodic checkpoint", flush=True)
-        else:
-            print(f"interrupted: saving step {step} to {cfg.out_dir}", flush=True)
-            save_checkpoint(loader_state, rng)
+                print(f"{name}: stopped after step {step}; {cfg.out_dir}/ckpt.pt holds step {saved_step}: "
+                      f"python train.py --resume {cfg.out_dir} continues", flush=True)
+            return 128 + stop[0]
+    except KeyboardInterrupt:  # a second signal, mid-step: the last checkpoint stands
+        if master:
+            print(f"interrupted at step {step}: --resume {cfg.out_dir} continues from the last checkpoint, "
+                  f"step {saved_step}", flush=True)
+        return 130
     finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
         if log_file:
             log_file.close()
         if ddp:
             dist.destroy_process_group()
+    if master:
+        print(f"done: {step} steps in {duration(time.time() - t0)}. In {cfg.out_dir}: ckpt.pt (step {step}, for "
+              f"--resume), model.safetensors + config.json (Hugging Face export, for eval.py --model), "
+              f"tokenizer.json + vocab.txt, log.jsonl" + (", code.diff" if os.path.isfile(
+                  os.path.join(cfg.out_dir, "code.diff")) else ""))
+    return 0
 
 
 if __name__ == "__main__":

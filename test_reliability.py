@@ -1,0 +1,367 @@
+"""train.py's guarantees (issue 10): every flag validated in one place, a diverging run stopped before
+it saves NaN, checkpoints loaded without running code, a run directory that stays one consistent
+unit (own tokenizer, export agrees with ckpt.pt, lock, exact data position across layouts,
+repaired log, SIGTERM), and the provenance in log.jsonl. Most runs call train.main() in-process."""
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import data
+import losses
+import model
+import train
+from test_train import write_corpus, read_log
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus") / "toy.txt", n_sentences=3000)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")  # one tokenizer for every run of this file
+
+
+def flags(corpus, cache, out, **over):
+    values = dict(data=corpus, cache_dir=cache, out_dir=out, vocab_size=200, seq_len=32, batch_size=8,
+                  tokens_per_step=256, max_steps=20, lr=2e-3, warmup_steps=2, log_interval=5, eval_interval=1000,
+                  eval_batches=1, ckpt_interval=10)
+    values.update(over)
+    return [x for k, v in values.items() for x in (f"--{k}", str(v))]
+
+
+def run_main(argv, capsys):
+    """train.main(argv) in this process: (exit code, stdout, stderr)."""
+    try:
+        train.main([str(a) for a in argv])
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def one_error(err, *needles):
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]
+
+
+# ---- 1. one validation of the whole config
+
+BAD_VALUES = [
+    ("log_interval", "0"), ("eval_interval", "0"), ("ckpt_interval", "0"), ("eval_batches", "0"),
+    ("batch_size", "0"), ("seq_len", "0"), ("seq_len", "2"), ("tokens_per_step", "0"),
+    ("mask_prob", "1.5"), ("mask_prob", "-0.1"), ("mask_prob", "0"), ("taco_window", "0"), ("taco_window", "1"),
+    ("cocolm_crop_fraction", "2"), ("cocolm_crop_fraction", "0"), ("dtype", "fp8"), ("device", "tpu"),
+    ("device", "cuda:x"), ("max_steps", "-5"), ("max_steps", "0"), ("lr", "0"), ("lr", "nan"), ("lr", "inf"),
+    ("warmup_steps", "50"), ("warmup_steps", "-1"), ("weight_decay", "-0.1"), ("grad_clip", "-1"),
+    ("gen_layers", "-1"), ("vocab_size", "0"), ("vocab_size", "10"), ("taco_negatives", "0"),
+    ("taco_temperature", "0"), ("tacl_temperature", "-1"), ("cocolm_scl_temperature", "0"), ("adam_eps", "0"),
+    ("beta2", "1"), ("dropout", "1"), ("val_fraction", "0.9"), ("val_fraction", "-0.1"), ("negative_pool", "-1"),
+    ("taco_anchors", "some"), ("gen_shape", "bart"), ("model_size", "huge"), ("objective", "bogus"),
+    ("taco_weight", "-1"), ("out_dir", ""), ("out_dir", "FILE"), ("out_dir", "FILE/run"), ("cache_dir", "FILE"),
+]
+if not torch.cuda.is_available():
+    BAD_VALUES.append(("device", "cuda"))
+
+
+def test_every_bad_flag_is_one_error_line(corpus, cache, tmp_path, capsys):
+    (tmp_path / "FILE").write_text("a file, not a directory")
+    for name, value in BAD_VALUES:
+        value = value.replace("FILE", str(tmp_path / "FILE"))
+        code, out, err = run_main(flags(corpus, cache, tmp_path / "run", max_steps=40) + [f"--{name}", value], capsys)
+        assert code == 2, (name, value, code, err)
+        one_error(err, f"--{name}")
+    assert not (tmp_path / "run").exists()  # validation comes before anything is written
+
+
+def test_help_shows_the_chosen_preset(capsys):
+    code, out, _ = run_main(["--preset", "small", "--help"], capsys)
+    row = next(line for line in out.splitlines() if line.strip().startswith("--preset "))
+    assert code == 0 and "'small'" in row, row
+
+
+# ---- 2. divergence: stop before a NaN is saved
+
+class NaNAfter(losses.MLM):
+    """MLM whose training loss turns NaN from the `after`-th training forward on."""
+    after, calls = 0, 0
+
+    def forward(self, model, batch, gen):
+        loss, metrics = super().forward(model, batch, gen)
+        if self.training:
+            NaNAfter.calls += 1
+            if NaNAfter.calls > NaNAfter.after:
+                loss = loss * float("nan")
+        return loss, metrics
+
+
+@pytest.mark.parametrize("after, log_interval, message", [
+    (12, 5, "at step 13"),  # seen at the step-15 log line: ckpt.pt keeps step 10
+    (8, 100, "at step 9"),  # no log line before the step-10 save: the save itself refuses
+])
+def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(corpus, cache, tmp_path, capsys, monkeypatch,
+                                                               after, log_interval, message):
+    monkeypatch.setitem(losses.LOSSES, "mlm", NaNAfter)
+    monkeypatch.setattr(NaNAfter, "after", after)
+    monkeypatch.setattr(NaNAfter, "calls", 0)
+    out_dir = tmp_path / "run"
+    code, out, err = run_main(flags(corpus, cache, out_dir, max_steps=30, log_interval=log_interval), capsys)
+    assert code == 1, err
+    line = one_error(err, "non-finite loss", message, "mlm_loss", "lower learning rate")
+    if after >= 10:
+        assert f"--resume {out_dir} --lr 0.001" in line
+        ckpt = model.load_checkpoint_file(str(out_dir / "ckpt.pt"))
+        assert ckpt["step"] == 10 and all(torch.isfinite(v).all() for v in ckpt["model"].values())
+        assert train.export_step(str(out_dir)) == 10
+        assert all(torch.isfinite(v).all() for v in model.Bert.from_pretrained(str(out_dir)).state_dict().values())
+    else:
+        assert "nothing was saved" in line and not (out_dir / "ckpt.pt").exists()
+    assert not (out_dir / ".lock").exists()
+
+
+# ---- 3. safe loading: a pickle that would run code is refused, never executed
+
+class Payload:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):  # unpickling this creates the marker file
+        return open, (self.marker, "w")
+
+
+def test_a_pickle_payload_is_refused_and_never_runs(corpus, cache, tmp_path, capsys):
+    marker = tmp_path / "payload_ran"
+    evil = tmp_path / "evil"
+    evil.mkdir()
+    torch.save({"model": Payload(str(marker)), "model_config": {}, "config": {}}, evil / "ckpt.pt")
+    for extra in (["--resume", evil], ["--init_from", evil], ["--init_from", evil / "ckpt.pt"]):
+        code, _, err = run_main(flags(corpus, cache, tmp_path / "run") + extra, capsys)
+        assert code == 2, err
+        one_error(err, "refused", "io.open")
+    for path in (evil, evil / "ckpt.pt"):  # eval.py and analysis.py load through Bert.from_pretrained
+        with pytest.raises(ValueError, match="refused"):
+            model.Bert.from_pretrained(str(path))
+    # pytorch_model.bin (Hugging Face's old format) goes through the same safe loader
+    hf = tmp_path / "hf"
+    model.Bert(model.BertConfig(vocab_size=100, hidden_size=32, num_layers=1, num_heads=2,
+                                intermediate_size=64)).save_pretrained(str(hf))
+    os.remove(hf / "model.safetensors")
+    torch.save({"bert.embeddings.word_embeddings.weight": Payload(str(marker))}, hf / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="refused"):
+        model.Bert.from_pretrained(str(hf))
+    assert not marker.exists()
+
+
+def test_checkpoint_holds_only_safe_types(corpus, cache, tmp_path, capsys):
+    code, _, err = run_main(flags(corpus, cache, tmp_path / "run", max_steps=5, ckpt_interval=5), capsys)
+    assert code == 0, err
+    ckpt = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)  # raises on anything unsafe
+    assert ckpt["loader"] == {"sequences": 5 * 8} and "rng" not in ckpt
+    assert all(isinstance(v, (str, int, float, bool)) for v in ckpt["config"].values())
+
+
+# ---- 4. the run directory is one consistent unit
+
+def test_resume_keeps_the_runs_own_tokenizer_when_the_cache_is_gone(corpus, tmp_path, capsys):
+    own_cache, out_dir = tmp_path / "cache", tmp_path / "run"
+    code, _, err = run_main(flags(corpus, own_cache, out_dir, max_steps=10), capsys)
+    assert code == 0, err
+    files = {f: (out_dir / f).read_bytes() for f in ("vocab.txt", "tokenizer.json")}
+    mtimes = {f: (out_dir / f).stat().st_mtime_ns for f in files}
+    ids = data.load_tokenizer(out_dir).encode("the quiet teacher carries a letter").ids
+    shutil.rmtree(own_cache)  # (a new tokenizer trained on this text would still differ in general)
+    code, out, err = run_main(["--resume", out_dir, "--max_steps", 20], capsys)
+    assert code == 0, err
+    assert "resumed from step 10 (of 20)" in out
+    assert {f: (out_dir / f).read_bytes() for f in files} == files
+    assert {f: (out_dir / f).stat().st_mtime_ns for f in files} == mtimes  # written once per run dir
+    assert data.load_tokenizer(out_dir).encode("the quiet teacher carries a letter").ids == ids
+    assert not [p for p in own_cache.iterdir() if p.name.startswith("tokenizer-")]  # no tokenizer trained
+
+
+def test_kill_between_export_and_checkpoint_leaves_a_loadable_run(corpus, cache, tmp_path, capsys, monkeypatch):
+    out_dir = tmp_path / "run"
+    saves = []
+
+    def dies_on_second_save(obj, path):  # "killed" after the step-20 export, before its ckpt.pt
+        saves.append(obj["step"])
+        if len(saves) == 2:
+            raise RuntimeError("killed")
+        real_save(obj, path)
+    real_save = train.atomic_save
+    monkeypatch.setattr(train, "atomic_save", dies_on_second_save)
+    with pytest.raises(RuntimeError, match="killed"):
+        run_main(flags(corpus, cache, out_dir, max_steps=30), capsys)
+    monkeypatch.undo()
+    assert model.load_checkpoint_file(str(out_dir / "ckpt.pt"))["step"] == 10
+    assert train.export_step(str(out_dir)) == 20  # the export is a step ahead, and says so
+    model.Bert.from_pretrained(str(out_dir))  # both load
+    assert not (out_dir / ".lock").exists()
+
+    # killed between the export's two files: weights of step 20, config.json of step 10
+    real_write = model._write_atomic
+    monkeypatch.setattr(model, "_write_atomic", lambda path, text: (_ for _ in ()).throw(RuntimeError("killed"))
+                        if path.endswith("config.json") else real_write(path, text))
+    ckpt = model.load_checkpoint_file(str(out_dir / "ckpt.pt"))
+    m = model.Bert(model.BertConfig(**ckpt["model_config"]))
+    m.load_state_dict(ckpt["model"])
+    (out_dir / "config.json").write_text(json.dumps({**json.loads((out_dir / "config.json").read_text()),
+                                                     "training_step": 10}))
+    with pytest.raises(RuntimeError):
+        m.save_pretrained(str(out_dir), step=20)
+    monkeypatch.undo()
+    assert train.export_step(str(out_dir)) is None  # the two files disagree: --resume must repair
+    model.Bert.from_pretrained(str(out_dir))
+
+    # --resume trusts ckpt.pt and rewrites the export from it before going on
+    code, out, err = run_main(["--resume", out_dir, "--max_steps", 10], capsys)
+    assert code == 0, err
+    assert "rewrote the Hugging Face export" in out and train.export_step(str(out_dir)) == 10
+    exported = model.Bert.from_pretrained(str(out_dir)).state_dict()
+    assert all(torch.equal(exported[k], v) for k, v in ckpt["model"].items())
+
+
+def test_resume_into_another_out_dir_and_a_busy_out_dir_are_refused(corpus, cache, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert run_main(flags(corpus, cache, run_dir, max_steps=5, ckpt_interval=5), capsys)[0] == 0
+    code, _, err = run_main(["--resume", run_dir, "--out_dir", tmp_path / "other", "--max_steps", 10], capsys)
+    assert code == 2 and not (tmp_path / "other").exists()
+    one_error(err, "another directory", "--init_from")
+
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    (tmp_path / "busy").mkdir()
+    try:
+        for d in (run_dir, tmp_path / "busy"):
+            (d / ".lock").write_text(f"{sleeper.pid} {socket.gethostname()}")
+        for argv in (["--resume", run_dir, "--max_steps", 10], flags(corpus, cache, tmp_path / "busy")):
+            code, _, err = run_main(argv, capsys)
+            assert code == 2
+            one_error(err, "in use by process", str(sleeper.pid))
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    # the lock of a process that died (a killed run) is taken over
+    code, _, err = run_main(["--resume", run_dir, "--max_steps", 10], capsys)
+    assert code == 0, err
+    assert not (run_dir / ".lock").exists()
+
+
+def test_resume_with_another_batch_size_continues_at_the_same_sequence(corpus, cache, tmp_path, capsys,
+                                                                      monkeypatch):
+    """12 steps of 8 sequences in one go, or 6 steps then 6 more with --batch_size 4 (2 micro-batches):
+    the training loader yields the same rows in the same order."""
+    seen = {}
+    real_next = data.BlockLoader.next_batch
+
+    def recording(self):
+        batch = real_next(self)
+        if self.seed == 1337:  # the training loader (the validation one has seed 0)
+            seen.setdefault(run, []).extend(batch.tolist())
+        return batch
+    monkeypatch.setattr(data.BlockLoader, "next_batch", recording)
+    run = "whole"
+    assert run_main(flags(corpus, cache, tmp_path / "whole", max_steps=12), capsys)[0] == 0
+    run = "split"
+    assert run_main(flags(corpus, cache, tmp_path / "split", max_steps=6), capsys)[0] == 0
+    code, out, err = run_main(["--resume", tmp_path / "split", "--max_steps", 12, "--batch_size", 4], capsys)
+    assert code == 0, err
+    assert "grad_accum 2" in out and "the learning-rate schedule moved (max_steps 6 -> 12)" in out
+    assert len(seen["whole"]) == 12 * 8 and seen["split"] == seen["whole"]
+    assert model.load_checkpoint_file(str(tmp_path / "split" / "ckpt.pt"))["loader"] == {"sequences": 96}
+    # the data order and split may not change on resume
+    for name, value in (("seed", 1), ("val_fraction", 0.1)):
+        code, _, err = run_main(["--resume", tmp_path / "split", f"--{name}", value], capsys)
+        assert code == 2
+        one_error(err, name, "data order")
+
+
+def test_a_half_written_log_line_is_dropped(corpus, cache, tmp_path, capsys):
+    out_dir = tmp_path / "run"
+    assert run_main(flags(corpus, cache, out_dir, max_steps=10), capsys)[0] == 0
+    with open(out_dir / "log.jsonl", "a") as f:
+        f.write('{"step": 11, "loss": 3.')  # killed mid-write
+    code, out, err = run_main(["--resume", out_dir, "--max_steps", 20], capsys)
+    assert code == 0, err
+    records = [json.loads(line) for line in open(out_dir / "log.jsonl")]  # every line parses
+    assert records[-1]["step"] == 20 and any(r.get("resumed_from_step") == 10 for r in records)
+    assert "step 20/20" in out and "eta" in out and "done: " in out and "ckpt.pt (step 20" in out
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_nonzero(corpus, cache, tmp_path):
+    out_dir = tmp_path / "run"
+    argv = flags(corpus, cache, out_dir, max_steps=100000, warmup_steps=10, log_interval=1, ckpt_interval=100000)
+    proc = subprocess.Popen([sys.executable, "train.py", *argv], cwd=HERE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    log, deadline = out_dir / "log.jsonl", time.time() + 120
+    while time.time() < deadline and not (log.is_file() and sum(1 for _ in open(log)) > 5):
+        time.sleep(0.05)  # a few steps in
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "Traceback" not in err and "SIGTERM: stopped after step" in out
+    step = int(out.split("SIGTERM: stopped after step ")[1].split(";")[0])
+    assert step > 0 and model.load_checkpoint_file(str(out_dir / "ckpt.pt"))["step"] == step
+    assert train.export_step(str(out_dir)) == step and not (out_dir / ".lock").exists()
+
+
+# ---- 5. errors from data.py are one line too
+
+def test_corrupt_tokenizer_and_unreadable_corpus_are_one_error_line(corpus, cache, tmp_path, capsys):
+    (tmp_path / "tokenizer.json").write_text('{"model": ')
+    (tmp_path / "binary.txt").write_bytes(bytes(range(256)) * 64)
+    for extra in (["--tokenizer", tmp_path / "tokenizer.json"], ["--data", tmp_path / "binary.txt"]):
+        code, _, err = run_main(flags(corpus, cache, tmp_path / "run") + extra, capsys)
+        assert code == 2, err
+        one_error(err)
+
+
+# ---- 6. provenance: the code that ran
+
+def test_provenance_records_commit_and_diff(corpus, cache, tmp_path, capsys, monkeypatch):
+    code, _, err = run_main(flags(corpus, cache, tmp_path / "run", max_steps=5, ckpt_interval=5), capsys)
+    assert code == 0, err
+    header, _ = read_log(tmp_path / "run")
+    prov = header["provenance"]
+    assert prov["torch"] == torch.__version__ and prov["host"] and isinstance(prov["dirty"], bool)
+    if prov["git_commit"] and prov["dirty"]:
+        diff = (tmp_path / "run" / "code.diff").read_text()
+        assert hashlib.sha1(diff.encode()).hexdigest() == prov["diff_sha1"]
+
+    # a checkout with a local edit (git pointed at a scratch repository)
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = lambda *a: subprocess.run(["git", "-C", str(repo), *a], check=True, capture_output=True)
+    git("init", "-q")
+    (repo / "losses.py").write_text("weight = 1.0\n")
+    git("add", "losses.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x")
+    (repo / "losses.py").write_text("weight = 0.5  # an ablation\n")
+    monkeypatch.setenv("GIT_DIR", str(repo / ".git"))
+    monkeypatch.setenv("GIT_WORK_TREE", str(repo))
+    (tmp_path / "out").mkdir()
+    prov = train.provenance(str(tmp_path / "out"))
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    diff = (tmp_path / "out" / "code.diff").read_text()
+    assert prov["git_commit"] == head and prov["dirty"] and "+weight = 0.5" in diff
+    assert prov["diff_sha1"] == hashlib.sha1(diff.encode()).hexdigest()
+    # outside a git checkout: no commit, no failure
+    monkeypatch.setenv("GIT_DIR", str(tmp_path / "nowhere"))
+    prov = train.provenance(str(tmp_path / "out2"))
+    assert prov["git_commit"] is None and prov["dirty"] is False and prov["diff_sha1"] is None
