@@ -19,7 +19,7 @@ Notable choices:
   base models run 6 combinations drawn per task from Table 8's grid (a fixed, seeded draw) and
   report the mean of the runs. --recipe uniform: one recipe for every task (TACO's scripts).
 - Batches come in random order, as Hugging Face's run_glue (the papers' code); --group_by_length
-  batches similar lengths together, faster on a GPU (its effect on scores: README, GLUE).
+  batches similar lengths together: less padding, faster (its effect on scores: README, GLUE).
 - Data: the original GLUE TSVs (--glue_dir) through a strict reader (quoting off, a bad row is a
   one-line error naming file and line), or the hub's nyu-mll/glue. A task without train or dev
   data is skipped and marked missing, never scored on nothing.
@@ -862,7 +862,7 @@ def build_parser():
     g.add_argument("--dropout", type=float, help="encoder and head dropout while fine-tuning (paper: 0.1)")
     g.add_argument("--precision", choices=["fp32", "bf16"], help="bf16: autocast on GPU, faster (paper: fp32)")
     g.add_argument("--group_by_length", action="store_true", help="batch rows of similar length (less padding, "
-                   "faster on GPU) instead of the papers' random batches")
+                   "faster) instead of the papers' random batches")
     g.add_argument("--max_train_samples", type=int, help="quick runs: a fixed random subset of each train set")
     g.add_argument("--max_eval_samples", type=int, help="quick runs: a fixed random subset of each dev set")
     g.add_argument("--predict", action="store_true", help="also write GLUE leaderboard files (CoLA.tsv ... "
