@@ -196,40 +196,49 @@ def print_profile_table(title, rows):
         print(f"    {r['ms_per_step']:12.3f} {r['share']:6.1%} {r['calls_per_step']:6.0f}  {r['name'][:90]}")
 
 
+def where_time_goes(events, on_gpu, steps, n):
+    """Top-n tables from a profiler's key_averages(). On a GPU: kernels by GPU time (and the
+    kernels' total, the GPU's busy time) and ops by the GPU time of the kernels they launch; on a
+    CPU: ops by self CPU time."""
+    from torch.autograd import DeviceType
+    if not on_gpu:
+        return dict(ops=top_events(list(events), lambda e: e.self_cpu_time_total, n, steps))
+    # GPU-side user annotations (record_function ranges) span kernels: counting them would count twice
+    kernels = [e for e in events if e.device_type != DeviceType.CPU and not getattr(e, "is_user_annotation", False)]
+    ops = [e for e in events if e.device_type == DeviceType.CPU]
+    return dict(gpu_busy_ms_per_step=sum(e.self_device_time_total for e in kernels) / steps / 1e3,
+                kernels=top_events(kernels, lambda e: e.self_device_time_total, n, steps),
+                ops=top_events(ops, lambda e: e.self_device_time_total, n, steps))
+
+
 def profile_steps(step, args, device, label):
     """Profile args.profile_steps steps (after time_steps' warm-up), print where their time goes,
     write a chrome trace. Returns the tables as lists of rows."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    on_gpu = device.type == "cuda"
     steps = args.profile_steps
-    with profile(activities=activities) as prof:
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])) as prof:
         t = time.perf_counter()
         for i in range(steps):
             step(i)
         sync(device)
         wall_ms = (time.perf_counter() - t) / steps * 1e3
-    events = prof.key_averages()
-    result = dict(label=label, wall_ms_per_step=wall_ms)
+    result = dict(label=label, wall_ms_per_step=wall_ms,
+                  **where_time_goes(prof.key_averages(), on_gpu, steps, args.profile_top))
     print(f"profile {label}: {steps} steps, {wall_ms:.1f} ms/step under the profiler")
-    if device.type == "cuda":
-        kernels = [e for e in events if e.device_type != DeviceType.CPU]
-        ops = [e for e in events if e.device_type == DeviceType.CPU]
-        busy_ms = sum(e.self_device_time_total for e in kernels) / steps / 1e3
+    if on_gpu:
+        busy_ms = result["gpu_busy_ms_per_step"]
         print(f"  GPU kernels busy {busy_ms:.1f} ms/step = {busy_ms / wall_ms:.0%} of the step (the rest: launch and "
               f"host overhead, syncs)")
-        result["gpu_busy_ms_per_step"] = busy_ms
-        result["kernels"] = top_events(kernels, lambda e: e.self_device_time_total, args.profile_top, steps)
-        result["ops"] = top_events(ops, lambda e: e.self_device_time_total, args.profile_top, steps)
         print_profile_table("top kernels by GPU time", result["kernels"])
         print_profile_table("top ops by self CUDA time (the kernels they launch directly)", result["ops"])
     else:
-        result["ops"] = top_events(list(events), lambda e: e.self_cpu_time_total, args.profile_top, steps)
         print_profile_table("top ops by self CPU time", result["ops"])
     os.makedirs(args.out_dir, exist_ok=True)
     path = os.path.join(args.out_dir, f"trace_{label.replace(' ', '_')}.json.gz")
-    prof.export_chrome_trace(path[:-len(".json.gz")] + ".tmp.json.gz")  # .gz: written gzipped
-    os.replace(path[:-len(".json.gz")] + ".tmp.json.gz", path)
+    tmp = path[:-len(".json.gz")] + ".tmp.json.gz"  # the .gz ending makes the export gzip it
+    prof.export_chrome_trace(tmp)
+    os.replace(tmp, path)
     print(f"  chrome trace: {path}", flush=True)
     result["trace"] = path
     return result
@@ -262,7 +271,8 @@ def bench(name, size, args, device):
     return r, step
 
 
-HEADER = f"{'size':6} {'objective':9} {'params':>7} {'tokens/s':>10} {'step ms':>9} {'vs mlm':>7} {'MFU':>6} {'peak GB':>8}"
+HEADER = (f"{'size':6} {'objective':9} {'params':>7} {'tokens/s':>10} {'step ms':>9} {'vs mlm':>7} {'MFU':>6} "
+          f"{'peak GB':>8}")
 
 
 def table_row(r):
@@ -279,7 +289,8 @@ def hf_ratio(ours, hf):
     mem = ""
     if ours["peak_mem_gb"] is not None:
         ratio["peak_mem_ratio"] = ours["peak_mem_gb"] / hf["peak_mem_gb"]
-        mem = f", {ratio['peak_mem_ratio']:.2f}x its peak memory ({ours['peak_mem_gb']:.2f} vs {hf['peak_mem_gb']:.2f} GB)"
+        mem = (f", {ratio['peak_mem_ratio']:.2f}x its peak memory ({ours['peak_mem_gb']:.2f} vs "
+               f"{hf['peak_mem_gb']:.2f} GB)")
     else:  # on a CPU shared with other work, wall time swings; process CPU time much less
         ratio["cpu_time_ratio"] = hf["cpu_ms"] / ours["cpu_ms"]
         mem = f"; by process CPU time per step {ratio['cpu_time_ratio']:.2f}x"
@@ -344,7 +355,8 @@ def main(argv=None):
         except ImportError:
             p.error("--hf needs the transformers package (pip install transformers)")
     try:
-        device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+        auto = "cuda" if torch.cuda.is_available() else "cpu"
+        device = torch.device(auto if args.device == "auto" else args.device)
     except RuntimeError as e:
         p.error(f"--device {args.device}: {e}")
     if device.type == "cuda" and not torch.cuda.is_available():

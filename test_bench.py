@@ -66,6 +66,24 @@ def test_profile_on_cpu_prints_top_ops_and_writes_a_trace(tmp_path, capsys):
     assert (tmp_path / "trace_tiny_mlm.json.gz").stat().st_size > 0
 
 
+def test_gpu_profile_tables_count_each_kernel_once():
+    # the CUDA branch, on the event fields torch.profiler's key_averages() gives (no GPU needed)
+    from types import SimpleNamespace
+    from torch.autograd import DeviceType
+
+    def event(key, device_type, self_device_us, annotation=False, count=2):
+        return SimpleNamespace(key=key, device_type=device_type, self_device_time_total=self_device_us, count=count,
+                               is_user_annotation=annotation, self_cpu_time_total=0)
+    events = [event("aten::mm", DeviceType.CPU, 600), event("aten::add", DeviceType.CPU, 200),
+              event("sm90_gemm", DeviceType.CUDA, 600), event("elementwise", DeviceType.CUDA, 200),
+              event("## forward ##", DeviceType.CUDA, 5000, annotation=True)]  # spans the kernels above
+    tables = bench.where_time_goes(events, on_gpu=True, steps=2, n=5)
+    assert tables["gpu_busy_ms_per_step"] == pytest.approx(0.4)  # (600 + 200) us over 2 steps
+    assert [k["name"] for k in tables["kernels"]] == ["sm90_gemm", "elementwise"]
+    assert tables["kernels"][0]["share"] == pytest.approx(0.75) and tables["kernels"][0]["calls_per_step"] == 1
+    assert [op["name"] for op in tables["ops"]] == ["aten::mm", "aten::add"]
+
+
 @pytest.mark.parametrize("argv", [["--bogus"], ["--objectives", "mlm,nope"], ["--model_size", "huge"],
                                   ["--steps", "0"]])
 def test_bad_flags_give_one_error_line_and_exit_2(argv, capsys):
