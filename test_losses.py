@@ -773,11 +773,12 @@ def test_generator_forwards_and_sampling_logits(monkeypatch, name):
 # a short training run per objective: the loss falls
 
 
-@pytest.mark.parametrize("name", list(LOSSES))
-def test_loss_falls(name):
+@pytest.mark.parametrize("name,extra", [(name, {}) for name in LOSSES] + [("electra", dict(gen_shape="electra")),
+                                                                         ("taco", dict(negative_pool=4))])
+def test_loss_falls(name, extra):
     torch.manual_seed(0)
     model = Bert(BertConfig(**{**TINY, "hidden_size": 32, "intermediate_size": 64}))
-    objective = LOSSES[name](model, make_cfg(taco_negatives=10))
+    objective = LOSSES[name](model, make_cfg(taco_negatives=10, **extra))
     # structured data: each row repeats a short random pattern
     g = torch.Generator().manual_seed(0)
     patterns = torch.randint(5, 50, (8, 4), generator=g)
