@@ -42,21 +42,25 @@ SCALES = {
                "--eval_batches", "1", "--ckpt_interval", "1000", "--val_fraction", "0.05"],
         steps=20, extra_steps=10, continue_lr=1e-3,
         glue=["--max_train_samples", "64", "--max_eval_samples", "64", "--epochs", "1", "--max_len", "64"],
-        tasks="cola,stsb", seeds="1,2", analysis=["--num_sentences", "50"]),
-    # One H100, ~25 minutes in all: BERT-small (4 x 512), seq 128, batch 256 (32,768 tokens a step).
-    # 3,000 steps (98M tokens) at MLM's 2.4M tokens/s is ~45 s of MLM (TACO 1.5x, ELECTRA 1.7x,
-    # COCO-LM 2.6x): about 7 minutes for the four with start-up, compile and evaluations. A short
-    # schedule wants a higher peak lr than TACO's 1e-4 at 250k steps: 5e-4 (ELECTRA-small's) with
-    # 10% warm-up. TaCL and its MLM control continue for 1,000 steps at TaCL's lr 1e-4.
-    # GLUE: the five small tasks, 2 seeds, train sets capped at 5,000 rows (SST-2's 67k alone
-    # would cost 2.5 minutes a seed): ~1 minute per seed per model, 12 minutes for the 6 runs.
+        tasks="cola,stsb", seeds="1,2", analysis=["--num_sentences", "50"],
+        # one thread: a tiny model gains nothing from more, and on a busy CPU torch's thread pool made a
+        # 20-step toy run take 25 s of CPU instead of 3.5 (measured)
+        env={"OMP_NUM_THREADS": "1"}),
+    # One H100, ~25 minutes in all (estimates from bench.py's step times, not yet measured end to end):
+    # BERT-small (4 x 512), seq 128, batch 256 (32,768 tokens a step). 3,000 steps (98M tokens) at
+    # MLM's 2.4M tokens/s is ~45 s of MLM (TACO 1.5x, ELECTRA 1.7x, COCO-LM 2.6x): ~5 minutes of steps
+    # for the four, plus start-up, compile and evaluations (~1 minute a run) and one tokenization.
+    # A short schedule wants a higher peak lr than TACO's 1e-4 at 250k steps: 5e-4 (ELECTRA-small's)
+    # with 10% warm-up. TaCL and its MLM control continue for 1,000 steps at TaCL's lr 1e-4.
+    # GLUE: the five small tasks, 2 seeds, train sets capped at 3,000 rows (SST-2's 67k alone would
+    # cost 2.5 minutes a seed): ~40 s per seed per model, ~8 minutes for the 6 runs.
     "mini": dict(
         train=["--preset", "small", "--seq_len", "128", "--batch_size", "256", "--tokens_per_step", "32768",
                "--lr", "5e-4", "--warmup_steps", "300", "--log_interval", "50", "--eval_interval", "500",
                "--eval_batches", "20", "--ckpt_interval", "1000"],
         steps=3000, extra_steps=1000, continue_lr=1e-4,
-        glue=["--max_train_samples", "5000"],
-        tasks="cola,sst2,mrpc,stsb,rte", seeds="1,2", analysis=[]),
+        glue=["--max_train_samples", "3000"],
+        tasks="cola,sst2,mrpc,stsb,rte", seeds="1,2", analysis=[], env={}),
 }
 
 # the number each GLUE task is reported by (TACO's Avg uses these), then the other metrics
@@ -146,7 +150,7 @@ def glue_done(path, tasks, seeds):
 # stages
 
 
-def run_cmd(cmd, log_path, dry_run):
+def run_cmd(cmd, log_path, dry_run, env=None):
     """One subprocess, its output teed into log_path; exits with its code if it fails."""
     print("$ " + " ".join(cmd), flush=True)
     if dry_run:
@@ -154,7 +158,7 @@ def run_cmd(cmd, log_path, dry_run):
     t0 = time.time()
     with open(log_path, "a") as log:
         proc = subprocess.Popen(cmd, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                env={**(env or {}), **os.environ, "PYTHONUNBUFFERED": "1"})
         for line in proc.stdout:
             sys.stdout.write(line)
             log.write(line)
@@ -194,7 +198,7 @@ def pretrain(args, scale, name, objective, steps, extra):
             cmd += ["--data", args.data]
     if not args.dry_run:
         os.makedirs(run_dir, exist_ok=True)
-    seconds = run_cmd(cmd, os.path.join(args.out_dir, f"{name}.train.out"), args.dry_run)
+    seconds = run_cmd(cmd, os.path.join(args.out_dir, f"{name}.train.out"), args.dry_run, scale["env"])
     if not args.dry_run:
         note_time(run_dir, "pretrain", seconds)
 
@@ -212,7 +216,7 @@ def glue(args, scale, name):
            "--seeds", args.seeds, *scale["glue"]]
     if args.glue_dir:
         cmd += ["--glue_dir", args.glue_dir]
-    seconds = run_cmd(cmd, os.path.join(args.out_dir, f"{name}.glue.out"), args.dry_run)
+    seconds = run_cmd(cmd, os.path.join(args.out_dir, f"{name}.glue.out"), args.dry_run, scale["env"])
     if not args.dry_run:
         note_time(run_dir, "glue", seconds)
 
@@ -225,7 +229,7 @@ def analyse(args, scale, runs):
         return
     cmd = [args.python, "eval.py", "--analysis", "--model", *[os.path.join(args.out_dir, r) for r in runs],
            "--out", out, *scale["analysis"]]
-    run_cmd(cmd, os.path.join(args.out_dir, "analysis.out"), args.dry_run)
+    run_cmd(cmd, os.path.join(args.out_dir, "analysis.out"), args.dry_run, scale["env"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -272,12 +276,20 @@ def collect(args, runs):
             if t.get("status") != "ok":
                 tasks[task] = dict(status=t.get("status"), reason=t.get("reason"))
                 continue
-            per_seed = {str(s): v for s, v in (t.get("seeds") or {}).items()}
+            per_seed, collapsed = {}, 0
+            if isinstance(t.get("runs"), dict):  # {label: {seed, scores, collapsed}}
+                for label, run in t["runs"].items():
+                    seed = str(run.get("seed", label))
+                    per_seed[label if seed in per_seed else seed] = run.get("scores") or {}
+                    collapsed += bool(run.get("collapsed"))  # fine-tuning predicted one class only
+            else:  # the earlier format: {seed: {metric: value}}
+                per_seed = {str(s): v for s, v in (t.get("seeds") or {}).items()}
             key = PRIMARY.get(task) if all(PRIMARY.get(task) in v for v in per_seed.values()) else \
                 next(iter(next(iter(per_seed.values()), {})), None)
             values = {s: v.get(key) for s, v in per_seed.items()}
             m, s = mean_std(list(values.values()))
-            tasks[task] = dict(status="ok", metric=key, per_seed=values, mean=m, std=s, all_metrics=per_seed)
+            tasks[task] = dict(status="ok", metric=key, per_seed=values, mean=m, std=s, collapsed=collapsed,
+                               all_metrics=per_seed)
         ok = [t for t in tasks.values() if t["status"] == "ok"]
         seeds = sorted({s for t in ok for s in t["per_seed"]})
         per_seed_avg = [sum(t["per_seed"][s] for t in ok) / len(ok) for s in seeds
@@ -350,12 +362,14 @@ def markdown(results, pngs):
              f"Data `{results['data'] or 'train.py default'}`, pretraining seed {results['seed']}; GLUE dev sets, "
              f"fine-tuning seeds {', '.join(results['seeds'])}: mean ± standard deviation over seeds "
              f"(×100; CoLA MCC, STS-B Spearman, MRPC F1, others accuracy). Avg = the mean over these tasks, "
-             f"per seed, then mean ± std.", "",
+             f"per seed, then mean ± std. \"c\": some fine-tuning runs predicted one class only "
+             f"(eval.py's \"collapsed\"; results.json counts them).", "",
              "## GLUE", "",
              "| run | steps | " + " | ".join(tasks) + " | Avg |", "|---" * (len(tasks) + 3) + "|"]
     for name, r in runs.items():
         g = r["glue"]["tasks"]
-        cells = [pm(g[t]["mean"], g[t]["std"]) if g.get(t, {}).get("status") == "ok" else "–" for t in tasks]
+        cells = [pm(g[t]["mean"], g[t]["std"]) + " c" * bool(g[t].get("collapsed"))
+                 if g.get(t, {}).get("status") == "ok" else "–" for t in tasks]
         lines.append(f"| {name} | {r['steps']} | " + " | ".join(cells) + f" | {pm(r['glue']['avg'], r['glue']['avg_std'])} |")
     lines += ["", "## Pretraining: held-out numbers at the last step, and cost", "",
               "MLM loss: the main model's (MLM, TACO, TaCL); ELECTRA and COCO-LM train no MLM head on the main "
