@@ -234,8 +234,8 @@ def test_kill_between_export_and_checkpoint_leaves_a_loadable_run(corpus, cache,
     code, out, err = run_main(["--resume", out_dir, "--max_steps", 10], capsys)
     assert code == 0, err
     assert "rewrote the Hugging Face export" in out and train.export_step(str(out_dir)) == 10
-    exported = model.Bert.from_pretrained(str(out_dir)).state_dict()
-    assert all(torch.equal(exported[k], v) for k, v in ckpt["model"].items())
+    exported, trained = model.Bert.from_pretrained(str(out_dir)).hf_state_dict(), m.hf_state_dict()
+    assert exported.keys() == trained.keys() and all(torch.equal(exported[k], v) for k, v in trained.items())
 
 
 def test_resume_into_another_out_dir_and_a_busy_out_dir_are_refused(corpus, cache, tmp_path, capsys):

@@ -401,9 +401,9 @@ def repair_log(path):
         f.truncate()
 
 
-def provenance(out_dir=None):
+def provenance(out_dir=None, diff_name="code.diff"):
     """The code that ran: git commit, whether the checkout had local changes (and the sha1 of
-    `git diff HEAD`, saved as out_dir/code.diff), torch version, host. Outside git: commit None."""
+    `git diff HEAD`, saved as out_dir/diff_name), torch version, host. Outside git: commit None."""
     here = os.path.dirname(os.path.abspath(__file__))
     git = lambda *args: subprocess.run(["git", *args], cwd=here, capture_output=True, text=True, timeout=30)
     commit, diff = None, ""
@@ -414,7 +414,7 @@ def provenance(out_dir=None):
     except (OSError, subprocess.SubprocessError):
         pass
     if diff and out_dir:
-        write_atomic(os.path.join(out_dir, "code.diff"), diff)
+        write_atomic(os.path.join(out_dir, diff_name), diff)
     return dict(git_commit=commit, dirty=bool(diff), diff_sha1=hashlib.sha1(diff.encode()).hexdigest() if diff else None,
                 torch=torch.__version__, host=socket.gethostname())
 
@@ -492,6 +492,9 @@ def main(argv=None):
     except Diverged as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
+    except KeyboardInterrupt:  # before the training loop, which handles its own
+        print("interrupted before training started: nothing was saved", file=sys.stderr)
+        sys.exit(130)
     finally:
         if lock and os.path.isfile(lock) and open(lock).read().split()[:1] == [str(os.getpid())]:
             os.remove(lock)
@@ -624,7 +627,9 @@ def train(cfg, ckpt=None):
         log_path = os.path.join(cfg.out_dir, "log.jsonl")
         repair_log(log_path)
         log_file = open(log_path, "a")
-        start = {"config": asdict(cfg), "provenance": provenance(cfg.out_dir)}
+        # the code that ran, for each segment of the run: a resume's local changes go to code-step{N}.diff
+        start = {"config": asdict(cfg), "provenance": provenance(cfg.out_dir, f"code-step{step}.diff" if ckpt
+                                                                 else "code.diff")}
         start.update({"resumed_from_step": step} if ckpt else {"model_config": asdict(model_config)})
         log_file.write(json.dumps(start) + "\n")
         log_file.flush()
@@ -657,15 +662,15 @@ def train(cfg, ckpt=None):
 
     first_bad = torch.full((), NOT_YET, dtype=torch.long, device=device)  # first step with a non-finite loss
 
-    def check_finite(metrics, collective=True):
+    def check_finite(metrics, collective=True, weights=False):
         """Stop with Diverged on a non-finite loss / grad norm since the last check (the device-side
-        first_bad, read here only: at log steps and before saves, so no host sync per step). Before
-        a save, the weights too. `collective`: all ranks check at this step, so all stop together."""
+        first_bad, read here only: at log steps and before saves, so no host sync per step); before
+        a save (`weights`), the weights too. `collective`: all ranks check at this step and stop together."""
         bad = first_bad.clone()
         if ddp and collective:
             dist.all_reduce(bad, op=dist.ReduceOp.MIN)
         bad = int(bad)
-        if bad == NOT_YET and not all(bool(torch.isfinite(p).all()) for p in params):
+        if bad == NOT_YET and weights and not torch.stack([torch.isfinite(p).all() for p in params]).all():
             bad = step
         if bad != NOT_YET:
             terms = " | ".join(f"{k} {float(v):.4g}" for k, v in metrics.items())
@@ -678,7 +683,7 @@ def train(cfg, ckpt=None):
 
     def save_checkpoint(metrics, collective=True):
         nonlocal saved_step
-        check_finite(metrics, collective)  # a diverged run never overwrites the last good checkpoint
+        check_finite(metrics, collective, weights=True)  # a diverged run never overwrites the last good checkpoint
         if not master:  # one writer: the ranks hold the same weights, and the loader state is global
             return
         # the export first, then ckpt.pt (what --resume trusts, and it rewrites an export of another step)
@@ -775,13 +780,14 @@ def train(cfg, ckpt=None):
             if step > saved_step:
                 save_checkpoint(metrics, collective=False)
             if master:
-                print(f"{name}: stopped after step {step}; {cfg.out_dir}/ckpt.pt holds step {saved_step}: "
-                      f"python train.py --resume {cfg.out_dir} continues", flush=True)
+                print(f"{name}: stopped after step {step}; " + (
+                      f"{cfg.out_dir}/ckpt.pt holds step {saved_step}: python train.py --resume {cfg.out_dir} "
+                      f"continues" if saved_step else "no step was done, nothing was saved"), flush=True)
             return 128 + stop[0]
     except KeyboardInterrupt:  # a second signal, mid-step: the last checkpoint stands
         if master:
-            print(f"interrupted at step {step}: --resume {cfg.out_dir} continues from the last checkpoint, "
-                  f"step {saved_step}", flush=True)
+            print(f"interrupted at step {step}: " + (f"--resume {cfg.out_dir} continues from the last checkpoint, "
+                  f"step {saved_step}" if saved_step else "no checkpoint was saved yet"), flush=True)
         return 130
     finally:
         for s, handler in handlers.items():
