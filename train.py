@@ -641,7 +641,8 @@ def train(cfg, ckpt=None):
             print(f"negative pool: {pool} sequences" + ("" if cfg.negative_pool else
                   " (the per-process micro-batch: changes with the layout; --negative_pool fixes it)"))
         epochs = cfg.max_steps * (cfg.tokens_per_step // cfg.seq_len) / train_loader.num_blocks
-        print(f"this run reads the {len(train_tokens) / 1e6:.1f}M-token training split {epochs:.2f} times (epochs): "
+        size = f"{len(train_tokens) / 1e6:.1f}M" if len(train_tokens) >= 1e6 else f"{len(train_tokens) / 1e3:.0f}k"
+        print(f"this run reads the {size}-token training split {epochs:.2f} times (epochs): "
               f"{cfg.max_steps:,} steps x {cfg.tokens_per_step:,} tokens")
         if ckpt:
             print(f"resumed from step {step} (of {cfg.max_steps}) in {cfg.out_dir}")
