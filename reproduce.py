@@ -328,6 +328,8 @@ def plot(results, out_dir):
         print("matplotlib is not installed: no plots")
         return []
     written = []
+    colors = {name: f"C{i}" for i, name in enumerate(results["runs"])}  # one colour per run in every panel
+    base = results["runs"].get("mlm", {})
     panels = [("val_mlm_loss", "held-out MLM loss (main model)"), ("val_gen_loss", "held-out generator MLM loss"),
               ("contextual_score", "contextual score (one block = one context)")]
     for x_axis, fname in (("step", "results_curves_steps.png"), ("seconds", "results_curves_time.png")):
@@ -342,7 +344,10 @@ def plot(results, out_dir):
                     if not r.get("steps") or not r.get("train_wall_s"):
                         continue
                     xs = [x * r["train_wall_s"] / r["steps"] for x in xs]
-                ax.plot(xs, [p[1] for p in pts], marker="o", ms=3, label=name)
+                if name in CONTINUED:  # continued runs carry on from the end of the mlm run
+                    xs = [x + (base.get("steps" if x_axis == "step" else "train_wall_s") or 0) for x in xs]
+                ax.plot(xs, [p[1] for p in pts], marker="o", ms=3, label=name, color=colors[name],
+                        linestyle="--" if name in CONTINUED else "-")
             ax.set_title(title, fontsize=10)
             ax.set_xlabel("step" if x_axis == "step" else "training seconds (loop wall-clock)")
             if ax.lines:
