@@ -229,6 +229,8 @@ def analyse(args, scale, runs):
         return
     cmd = [args.python, "eval.py", "--analysis", "--model", *[os.path.join(args.out_dir, r) for r in runs],
            "--out", out, *scale["analysis"]]
+    if args.glue_dir:  # STS-B dev pairs for COCO-LM's sentence-similarity analysis
+        cmd += ["--glue_dir", args.glue_dir]
     run_cmd(cmd, os.path.join(args.out_dir, "analysis.out"), args.dry_run, scale["env"])
 
 
