@@ -136,6 +136,45 @@ def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(corpus, cache, tmp
     assert not (out_dir / ".lock").exists()
 
 
+class InfGrad(torch.autograd.Function):
+    """Identity forward (a finite loss), infinite gradient backward: what an fp16 overflow looks like."""
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("inf")
+
+
+class InfGradAt(losses.MLM):
+    calls = 0
+
+    def forward(self, model, batch, gen):
+        loss, metrics = super().forward(model, batch, gen)
+        if self.training:
+            InfGradAt.calls += 1
+            if InfGradAt.calls in (3, 4):
+                loss = InfGrad.apply(loss)
+        return loss, metrics
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "fp32"])
+def test_inf_gradients_are_a_skipped_step_under_fp16_and_a_stop_otherwise(corpus, cache, tmp_path, capsys,
+                                                                           monkeypatch, dtype):
+    monkeypatch.setitem(losses.LOSSES, "mlm", InfGradAt)
+    monkeypatch.setattr(InfGradAt, "calls", 0)
+    code, out, err = run_main(flags(corpus, cache, tmp_path / "run", max_steps=10, dtype=dtype), capsys)
+    if dtype == "fp16":  # the GradScaler skips steps 3 and 4 and lowers its scale: normal, the run goes on
+        assert code == 0, err
+        ckpt = model.load_checkpoint_file(str(tmp_path / "run" / "ckpt.pt"))
+        assert ckpt["step"] == 10 and ckpt["scaler"]["scale"] < 2.0 ** 16
+        assert all(torch.isfinite(v).all() for v in ckpt["model"].values())
+    else:
+        assert code == 1
+        one_error(err, "non-finite loss or gradient norm at step 3", "nothing was saved")
+
+
 # ---- 3. safe loading: a pickle that would run code is refused, never executed
 
 class Payload:
