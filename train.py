@@ -2,11 +2,12 @@
 Pretrain BERT with MLM, TACO, TaCL, COCO-LM or ELECTRA. One loop from a laptop CPU to
 a multi-node GPU cluster.
 
-    python train.py --objective taco                      # preset "smoke": tiny model, CPU, ~1 minute
-    python train.py --objective taco --preset small --data ../shared/data/corpus/enwiki_wikiextractor
+    python train.py --objective taco                      # preset "smoke": tiny model, bundled sample text, CPU
+    python train.py --objective taco --preset small --data DIR_OF_TEXT   # TACO Table 5 on one GPU
     torchrun --standalone --nproc_per_node=8 train.py --objective taco --preset base
 
-Flags are the TrainConfig fields below (--name value or --name=value); --help lists them.
+Flags are the TrainConfig fields below (--name value or --name=value); --help lists them with
+the chosen preset's values and where each comes from.
 """
 import hashlib
 import inspect
@@ -69,7 +70,7 @@ class TrainConfig:
     taco_stop_grad: bool = True  # detach positives/negatives (official code); False = the ablation
     negative_pool: int = 0  # sequences sharing one pool of negatives (TACO rows, COCO-LM NT-Xent); 0 = the per-process micro-batch
     tacl_temperature: float = 0.01  # tau (TaCL §3, official scripts)
-    gen_shape: str = "cocolm"  # generator: cocolm = same width, max(1, round(L/3)) layers (COCO-LM §4) | electra = full depth, 1/4 width (1/3 base) (ELECTRA §3.2)
+    gen_shape: str = "cocolm"  # generator: cocolm = same width, max(1, round(L/3)) layers (COCO-LM §4) | electra = full depth, 1/4 width (1/3 for base) (ELECTRA Table 6)
     gen_layers: int = 0  # generator depth; 0 = the gen_shape's own
     cocolm_copy_weight: float = 50.0  # lambda_copy (COCO-LM §3.1)
     cocolm_scl_temperature: float = 1.0  # tau of the SCL NT-Xent (COCO-LM §4)
