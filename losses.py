@@ -143,6 +143,13 @@ def masked_bce(logits, targets, mask):
     return masked_mean(bce, mask)
 
 
+def binary_entropy(p):
+    """The BCE of always predicting the rate p itself: a replaced-token detector's trivial baseline
+    (accuracy at the majority rate says less: a detector can beat this BCE and still never cross 0.5)."""
+    p = p.clamp(1e-6, 1 - 1e-6)
+    return -(p * p.log() + (1 - p) * (1 - p).log())
+
+
 def pool_size(negative_pool, batch_size):
     """Rows that share one pool of negatives (TACO) or one NT-Xent batch (COCO-LM's SCL): groups of
     negative_pool consecutive rows of the per-process micro-batch; 0 = the whole micro-batch (the official
@@ -541,7 +548,8 @@ class COCOLM(nn.Module):
         metrics = dict(gen_loss=gen_loss.detach(), copy_loss=copy_loss.detach(), lm_loss=lm_loss.detach(),
                        scl_loss=scl_loss.detach(), gen_acc=gen_acc,
                        replaced_frac=masked_mean(~original_at_m, masked).detach(),
-                       copy_acc=masked_mean((copy_logit > 0) == is_original, valid).detach())
+                       copy_acc=masked_mean((copy_logit > 0) == is_original, valid).detach(),
+                       copy_trivial=binary_entropy(masked_mean(~is_original, valid)).detach())
         return loss, metrics
 
 
@@ -576,6 +584,7 @@ class ELECTRA(nn.Module):
         disc_loss = masked_bce(disc_logit, replaced, valid)
         metrics = dict(gen_loss=gen_loss.detach(), disc_loss=disc_loss.detach(), gen_acc=gen_acc,
                        disc_acc=masked_mean((disc_logit > 0) == replaced, valid).detach(),
+                       disc_trivial=binary_entropy(masked_mean(replaced, valid)).detach(),
                        replaced_frac=masked_mean(replaced.gather(1, positions), labels != -100).detach())
         return gen_loss + self.disc_weight * disc_loss, metrics
 

@@ -23,8 +23,8 @@ NAMES = {
     "mlm": {"mlm_loss", "mlm_acc"},
     "taco": {"mlm_loss", "mlm_acc", "tc_loss", "pos_cos", "neg_cos"},
     "tacl": {"mlm_loss", "mlm_acc", "tacl_loss", "tacl_acc"},
-    "cocolm": {"gen_loss", "copy_loss", "lm_loss", "scl_loss", "gen_acc", "replaced_frac", "copy_acc"},
-    "electra": {"gen_loss", "disc_loss", "gen_acc", "disc_acc", "replaced_frac"},
+    "cocolm": {"gen_loss", "copy_loss", "lm_loss", "scl_loss", "gen_acc", "replaced_frac", "copy_acc", "copy_trivial"},
+    "electra": {"gen_loss", "disc_loss", "gen_acc", "disc_acc", "replaced_frac", "disc_trivial"},
 }
 
 
@@ -806,3 +806,11 @@ def test_compiled_wrapper(name):
     for _ in range(2):
         loss, _ = objective(compiled, make_batch(), seeded())
         assert torch.allclose(loss, expected, atol=1e-5)
+
+
+def test_detector_trivial_baseline_is_the_entropy_of_the_replaced_rate():
+    # the logged disc_trivial / copy_trivial are what a constant predictor of the batch's replaced rate scores
+    p = torch.tensor([0.0, 0.15, 0.5, 0.85])
+    constant = [F.binary_cross_entropy(q.clamp(1e-6, 1 - 1e-6).expand(1000), (torch.arange(1000) < 1000 * q).float())
+                for q in p]
+    assert torch.allclose(losses.binary_entropy(p), torch.stack(constant), atol=1e-4)
