@@ -640,7 +640,7 @@ def glue_table(report, compare=False):
             per_run = ", ".join(f"{run['scores'][key]:.1f}" for run in r["runs"].values())
             n_dev = "+".join(map(str, r["n_dev"].values()))
             lines.append(f"| {name} | {key} | {per_run} | {r['mean'][key]:.2f} | {r['median'][key]:.2f} | "
-                         f"{len(r['collapsed'])} | {r['n_train']} / {n_dev} | {r['time_s'] / 60:.1f} |")
+                         f"{len(r['collapsed'])} | {r['n_train']} / {n_dev} | {r['time_s'] / 60:.2f} |")
     lines += ["", f"Hyper-parameters ({report['protocol']}):", "",
               "| task | runs | lr | batch size | epochs | warm-up steps / all steps |", "|---" * 6 + "|"]
     for name, r in ok.items():
