@@ -86,6 +86,22 @@ def test_micro_batching_keeps_the_global_batch():
         train.micro_batching(base, 32)  # 40 sequences per process: no whole pool of 80
 
 
+def test_small_and_base_presets_are_taco_table_5():
+    # TACO App. A, Table 5, typed in from the paper (not from train.py), so the presets cannot drift
+    table5 = dict(seq_len=256, vocab_size=30522, lr=1e-4, beta2=0.999, adam_eps=1e-8, weight_decay=0.01,
+                  grad_clip=1.0, dropout=0.1, mask_prob=0.15)
+    for preset, size, steps, warmup in (("small", "small", 250_000, 2_500), ("base", "base", 500_000, 10_000)):
+        cfg = train.TrainConfig(**train.PRESETS[preset])
+        assert {k: getattr(cfg, k) for k in table5} == table5
+        assert (cfg.model_size, cfg.max_steps, cfg.warmup_steps) == (size, steps, warmup)
+        assert cfg.tokens_per_step == 1280 * 256  # batch 1,280 sequences of 256 tokens
+        # one GPU: 80 sequences x 16 accumulation micro-steps = 1,280; 16 GPUs (the paper's 80 per GPU): none
+        assert train.micro_batching(cfg, 1) == (80, 16) and train.micro_batching(cfg, 16) == (80, 1)
+        assert set(train.PRESET_SOURCES[preset]) >= set(table5) | {"tokens_per_step", "max_steps", "warmup_steps"}
+    small = train.MODEL_PRESETS["small"]
+    assert (small["num_layers"], small["hidden_size"], small["num_heads"]) == (4, 512, 8)
+
+
 def test_lr_schedule_warmup_then_linear_decay():
     cfg = train.TrainConfig(lr=1.0, warmup_steps=10, max_steps=110)
     assert train.lr_at(0, cfg) == pytest.approx(0.1) and train.lr_at(9, cfg) == pytest.approx(1.0)
