@@ -44,7 +44,7 @@ from dataclasses import replace
 
 import torch
 
-from losses import LOSSES, eligible_positions
+from losses import LOSSES, eligible_positions, generator_config
 from model import Bert, BertConfig, MODEL_PRESETS, config_to_hf
 from train import TrainConfig, Pretrainer, configure_optimizer, gpu_peak_flops
 
@@ -54,14 +54,19 @@ def objective_flops_per_token(objective, config, cfg, seq_len):
     A forward costs 2 FLOPs per multiply-add, a backward twice the forward (so 6 per MAC trained,
     2 per MAC run without grad). Per token and per layer: 4 D^2 + 2 D F matmul MACs, 2 T D for
     attention (QK^T and AV). The MLM head costs D^2 + D V MACs on the mask_prob share of tokens.
-      mlm      6 * (L * (4D^2 + 2DF + 2TD) + p (D^2 + DV))
+      mlm      6 * (L * (4D^2 + 2DF + 2TD) + p (D^2 + DV))             (= train.flops_per_token)
       taco     mlm + 6 * (K + 1) * D           (cosines of every anchor with 1 positive, K negatives)
       tacl     mlm + 2 * L * (...)             (teacher forward, no grad) + 6 * p * T * D (scores)
-      electra  6 * G * (...) + 6 * p (D^2 + DV) (generator + its head) + 6 * L * (...) + 6 D (disc. head)
-      cocolm   electra's generator + 2 views of the main model + the LM head (D V, no transform) on p
-    """
+      electra  6 * gen + 6 * L * (...) + 6 (D^2 + D)                   (generator + disc. head)
+      cocolm   6 * gen + 6 * (L * (...) + T_c / T * L * (...)[T = T_c] + p D V + D + 2 D^2 / T)
+               + 2 * gen if dropout > 0  (x^MLM; the crop view of T_c = 2 + round(0.9 (T - 2)) tokens;
+               LM head, no transform; copy head; SCL head on the two [CLS]; the dropout-off sampling
+               forward, no grad)
+    gen is the generator's forward MACs at losses.generator_config's width d, FFN F_g and depth G:
+      gen = D d (the embeddings projection, if d != D) + G (4d^2 + 2d F_g + 2Td) + p (d D + D V)
+    (its head's dense maps d -> D for the tied decoder). ELECTRA samples from its training
+    forward, so it pays no extra pass."""
     L, D, F, V = config.num_layers, config.hidden_size, config.intermediate_size, config.padded_vocab_size
-    G = cfg.gen_layers or max(1, round(L / 3))
     p = cfg.mask_prob
     layer = 4 * D * D + 2 * D * F + 2 * seq_len * D
     mlm_head = p * (D * D + D * V)
@@ -71,12 +76,22 @@ def objective_flops_per_token(objective, config, cfg, seq_len):
         return 6 * (L * layer + mlm_head + (cfg.taco_negatives + 1) * D)
     if objective == "tacl":
         return 6 * (L * layer + mlm_head + p * seq_len * D) + 2 * L * layer
-    generator = 6 * (G * layer + mlm_head)
+    if objective not in ("electra", "cocolm"):
+        raise ValueError(f"unknown objective {objective!r}")
+    gen_config, G = generator_config(cfg, config)
+    d, gen_ffn = gen_config.hidden_size, gen_config.intermediate_size
+    gen = ((D * d if d != D else 0) + G * (4 * d * d + 2 * d * gen_ffn + 2 * seq_len * d)
+           + p * (d * D + D * V))
     if objective == "electra":
-        return generator + 6 * (L * layer + D * D + D)
-    if objective == "cocolm":
-        return generator + 6 * (2 * L * layer + p * D * V + 2 * D * D + D)
-    raise ValueError(f"unknown objective {objective!r}")
+        return 6 * gen + 6 * (L * layer + D * D + D)
+    # Generator.forward reruns the generator without dropout to sample when the model has dropout
+    sampling_pass = 2 * gen if config.dropout > 0 else 0
+    # the crop view of a packed block is cut to 2 + round(crop_fraction (T - 2)) tokens (losses.crop_views)
+    crop_len = 2 + round((seq_len - 2) * cfg.cocolm_crop_fraction)
+    crop_layer = 4 * D * D + 2 * D * F + 2 * crop_len * D
+    views = L * layer + crop_len / seq_len * L * crop_layer
+    # the LM head decodes with the unpadded embedding rows, no transform
+    return 6 * gen + sampling_pass + 6 * (views + p * D * config.vocab_size + D + 2 * D * D / seq_len)
 
 
 def random_blocks(batch_size, seq_len, config, device, gen=None):
@@ -101,12 +116,10 @@ def hf_mlm_batch(input_ids, config, gen, mask_prob=0.15):
     return dict(input_ids=inputs, labels=labels)
 
 
-def build_ours(objective, config, args, device, autocast):
-    """(train_step(i) -> None, trained params) for our model and objective."""
-    cfg = replace(TrainConfig(), objective=objective, seq_len=args.seq_len, batch_size=args.batch_size,
-                  init_from="random weights", dropout=args.dropout, taco_negatives=args.taco_negatives)
+def build_ours(cfg, config, args, device, autocast):
+    """(train_step(i) -> None, trained params) for our model and cfg.objective."""
     model = Bert(config).to(device)
-    loss_fn = LOSSES[objective](model, cfg).to(device)
+    loss_fn = LOSSES[cfg.objective](model, cfg).to(device)
     params = list(model.parameters()) + [p for p in loss_fn.parameters() if p.requires_grad]
     if args.compile == 1:  # the encoder only; sampling, heads and losses run eagerly
         trainer = Pretrainer(torch.compile(model, dynamic=False), loss_fn)
@@ -254,16 +267,20 @@ def bench(name, size, args, device):
     t0 = time.perf_counter()
     config = BertConfig(**MODEL_PRESETS[size], dropout=args.dropout)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    # one cfg for the step and its FLOPs count (taco_negatives, gen_shape and dropout change both)
+    cfg = replace(TrainConfig(), objective="mlm" if name == "hf-mlm" else name, seq_len=args.seq_len,
+                  batch_size=args.batch_size, init_from="random weights", dropout=args.dropout,
+                  taco_negatives=args.taco_negatives, gen_shape=args.gen_shape)
     if name == "hf-mlm":
         step, params = build_hf(config, args, device, autocast)
     else:
-        step, params = build_ours(name, config, args, device, autocast)
+        step, params = build_ours(cfg, config, args, device, autocast)
     step_ms, cpu_ms, peak_gb = time_steps(step, args, device)
     tokens_per_s = args.batch_size * args.seq_len / (step_ms / 1e3)
-    flops = objective_flops_per_token("mlm" if name == "hf-mlm" else name, config, TrainConfig(), args.seq_len)
+    flops = objective_flops_per_token(cfg.objective, config, cfg, args.seq_len)
     peak_flops = gpu_peak_flops(device) if device.type == "cuda" else None
     r = dict(model_size=size, objective=name, params_m=sum(p.numel() for p in params) / 1e6, batch=args.batch_size,
-             seq=args.seq_len, compile=args.compile, dropout=args.dropout,
+             seq=args.seq_len, compile=args.compile, dropout=args.dropout, gen_shape=args.gen_shape,
              dtype="bf16 autocast" if device.type == "cuda" else "fp32", step_ms=step_ms, cpu_ms=cpu_ms,
              tokens_per_s=tokens_per_s,
              model_tflops=tokens_per_s * flops / 1e12, mfu=tokens_per_s * flops / peak_flops if peak_flops else None,
@@ -321,6 +338,9 @@ def main(argv=None):
     p.add_argument("--batch_size", type=int, default=256)
     p.add_argument("--seq_len", type=int, default=128)
     p.add_argument("--taco_negatives", type=int, default=50)
+    p.add_argument("--gen_shape", default="cocolm", choices=["cocolm", "electra"],
+                   help="ELECTRA's and COCO-LM's generator (train.py's gen_shape): cocolm = same width, L/3 layers; "
+                        "electra = full depth, 1/4 width (1/3 for base)")
     p.add_argument("--steps", type=int, default=30, help="timed steps")
     p.add_argument("--warmup", type=int, default=8, help="untimed steps first (compile happens here)")
     p.add_argument("--dropout", type=float, default=0.1, help="0.1: BERT's, the presets' and Hugging Face's default")
@@ -370,7 +390,8 @@ def main(argv=None):
                 device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
                 threads=torch.get_num_threads())
     print(json.dumps(info), flush=True)
-    print(f"batch {args.batch_size} x seq {args.seq_len}, dropout {args.dropout}, compile {args.compile}, "
+    print(f"batch {args.batch_size} x seq {args.seq_len}, dropout {args.dropout}, gen_shape {args.gen_shape}, "
+          f"compile {args.compile}, "
           f"{'bf16 autocast' if device.type == 'cuda' else 'fp32'}, {args.warmup} warm-up + {args.steps} timed steps")
     print(HEADER, flush=True)
     results, ratios = [], []

@@ -1,10 +1,15 @@
 """bench.py runs on CPU with the tiny model: every objective, the Hugging Face baseline, the profiler."""
+from dataclasses import replace
+
 import pytest
 import torch
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
 
 import bench
-from losses import LOSSES
-from model import BertConfig, MODEL_PRESETS
+from losses import LOSSES, crop_views
+from model import Bert, BertConfig, MODEL_PRESETS
 from train import TrainConfig, flops_per_token
 
 TINY = ["--model_size", "tiny", "--device", "cpu", "--batch_size", "2", "--seq_len", "32", "--steps", "1",
@@ -85,7 +90,7 @@ def test_gpu_profile_tables_count_each_kernel_once():
 
 
 @pytest.mark.parametrize("argv", [["--bogus"], ["--objectives", "mlm,nope"], ["--model_size", "huge"],
-                                  ["--steps", "0"]])
+                                  ["--steps", "0"], ["--gen_shape", "nope"]])
 def test_bad_flags_give_one_error_line_and_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         bench.main(argv)
@@ -101,3 +106,75 @@ def test_flops_count_what_each_objective_computes():
     assert mlm < bench.objective_flops_per_token("taco", config, cfg, 128) < 1.05 * mlm
     assert 1.2 * mlm < bench.objective_flops_per_token("tacl", config, cfg, 128) < 1.4 * mlm  # + teacher forward
     assert bench.objective_flops_per_token("cocolm", config, cfg, 128) > 2 * mlm
+
+
+def linear_macs(module):
+    return sum(m.in_features * m.out_features for m in module.modules() if isinstance(m, nn.Linear))
+
+
+def hand_flops_per_token(objective, model, loss_fn, T):
+    """The slow count: FLOPs of one packed block of T tokens from the shapes of the modules the
+    objective built (every nn.Linear where it runs, 2 T^2 width per attention layer), over T."""
+    config, D = model.config, model.config.hidden_size
+    masked = loss_fn.mask_prob * T
+
+    def encoder_fwd(encoder, n):  # MACs of an encoder over n tokens
+        width = encoder.layers[0].up.in_features
+        return n * linear_macs(encoder) + len(encoder.layers) * 2 * n * n * width
+
+    g = loss_fn.generator
+    gen_fwd = (T * linear_macs(g.project) + encoder_fwd(g.encoder, T)
+               + masked * (linear_macs(g.head) + D * config.padded_vocab_size))  # tied decoder: padded rows
+    if objective == "electra":
+        return (6 * gen_fwd + 6 * (encoder_fwd(model.encoder, T) + T * linear_macs(loss_fn.disc_head))) / T
+    crop_len = crop_views(bench.random_blocks(1, T, config, "cpu"), config, None)[0].shape[1]
+    main = (encoder_fwd(model.encoder, T) + encoder_fwd(model.encoder, crop_len) + masked * D * config.vocab_size
+            + T * linear_macs(loss_fn.copy_head) + 2 * linear_macs(loss_fn.scl_head))
+    sampling = 2 * gen_fwd if config.dropout > 0 else 0  # COCO-LM's dropout-off forward, no backward
+    return (6 * gen_fwd + sampling + 6 * main) / T
+
+
+@pytest.mark.parametrize("objective", ["electra", "cocolm"])
+@pytest.mark.parametrize("gen_shape", ["cocolm", "electra"])
+def test_generator_flops_follow_the_generator_built(objective, gen_shape):
+    for size in ("small", "base"):  # base: the 1/3-width ELECTRA generator
+        config, cfg = BertConfig(**MODEL_PRESETS[size]), replace(TrainConfig(), gen_shape=gen_shape)
+        model = Bert(config)
+        loss_fn = LOSSES[objective](model, cfg)
+        for dropout in (0.1, 0.0):
+            config = model.config = replace(model.config, dropout=dropout)
+            assert bench.objective_flops_per_token(objective, config, cfg, 128) == pytest.approx(
+                hand_flops_per_token(objective, model, loss_fn, 128), rel=1e-12), (size, dropout)
+    # COCO-LM's dropout-off sampling pass costs a forward; ELECTRA samples from its training forward
+    on, off = (bench.objective_flops_per_token(objective, replace(config, dropout=p), cfg, 128) for p in (0.1, 0.0))
+    assert on > off if objective == "cocolm" else on == off
+
+
+def test_electra_shape_generator_costs_less_on_small():
+    config = BertConfig(**MODEL_PRESETS["small"])
+    flops = {shape: bench.objective_flops_per_token("electra", config, replace(TrainConfig(), gen_shape=shape), 128)
+             for shape in ("cocolm", "electra")}
+    # 4 layers at width 128 (+ the 512 -> 128 projection) against 1 layer at width 512
+    assert flops["electra"] < 0.95 * flops["cocolm"]
+
+
+@pytest.mark.parametrize("dropout", [0.1, 0.0])
+@pytest.mark.parametrize("objective,gen_shape", [("electra", "cocolm"), ("electra", "electra"),
+                                                 ("cocolm", "cocolm"), ("cocolm", "electra")])
+def test_flops_match_torch_flop_counter_on_a_real_step(objective, gen_shape, dropout):
+    # torch's own count of every matmul in one real forward + backward on the tiny model. T = 120
+    # makes the K = ceil(0.15 T) masked slots exactly 0.15 T; SDPA's math backend because the
+    # counter misses CPU's fused flash kernel. COCO-LM's sampling pass is ~10% of its count here:
+    # counting it for ELECTRA, or missing it for COCO-LM with dropout, fails by far.
+    T, B = 120, 2
+    config = BertConfig(**MODEL_PRESETS["tiny"], dropout=dropout)
+    cfg = replace(TrainConfig(), gen_shape=gen_shape)
+    torch.manual_seed(0)
+    model = Bert(config)
+    loss_fn = LOSSES[objective](model, cfg)
+    ids = bench.random_blocks(B, T, config, "cpu", torch.Generator().manual_seed(0))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        loss_fn(model, {"input_ids": ids}, torch.Generator().manual_seed(0))[0].backward()
+    measured = counter.get_total_flops() / (B * T)
+    # 1e-4: what the count leaves out, NT-Xent's (2B)^2 D similarities, is ~4e-6 of it here
+    assert bench.objective_flops_per_token(objective, config, cfg, T) == pytest.approx(measured, rel=1e-4)
