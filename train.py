@@ -48,7 +48,7 @@ class TrainConfig:
     val_fraction: float = 0.005  # share of the corpus held out for the validation MLM loss
     cache_dir: str = "cache"  # tokenizers and token files, reused across runs
     seq_len: int = 128  # tokens per packed block, [CLS] and [SEP] included
-    # optimisation (defaults: TACO Table 5, the same for MLM and TACO)
+    # optimisation (these defaults are the smoke run's; --preset small/base set TACO Table 5's)
     batch_size: int = 16  # sequences per micro-step per process: a memory cap, lowered to fit tokens_per_step
     tokens_per_step: int = 2048  # global tokens per optimizer step: gradient accumulation is derived from it
     max_steps: int = 300  # optimizer steps; the schedule decays to 0 here
@@ -83,10 +83,10 @@ class TrainConfig:
     seed: int = 1337  # model init, data order and every random draw of the objectives
     # logging, evaluation, checkpoints
     out_dir: str = "out/smoke"  # checkpoint, Hugging Face export, tokenizer and log.jsonl go here
-    log_interval: int = 10  # steps between log lines (the only host syncs of the loop)
+    log_interval: int = 10  # steps between log lines (where the loss is read back: the loop's host syncs, with saves)
     eval_interval: int = 100  # steps between held-out evaluations
     eval_batches: int = 8  # held-out batches per evaluation
-    ckpt_interval: int = 100  # steps between checkpoints (also at the end, and on Ctrl-C without DDP)
+    ckpt_interval: int = 100  # steps between checkpoints (also at the end, and on Ctrl-C or SIGTERM)
 
 
 # small / base are TACO's Table 5 (App. A), the pretraining recipe of both MLM and TACO. The official
@@ -190,7 +190,10 @@ def parse_args(argv):
     preset = given.get("preset", TrainConfig.preset)
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r} (choose from {', '.join(PRESETS)})")
-    return replace(TrainConfig(), **{**PRESETS[preset], **given}), given
+    cfg = replace(TrainConfig(), **{**PRESETS[preset], **given})
+    if "warmup_steps" not in given and cfg.warmup_steps > cfg.max_steps:  # a short run of a preset: 10% warm-up
+        cfg.warmup_steps = cfg.max_steps // 10
+    return cfg, given
 
 
 DTYPES = ("auto", "fp32", "bf16", "fp16")
@@ -205,7 +208,7 @@ MINIMUM = dict(seq_len=(3, "room for [CLS] and [SEP]"), batch_size=(1, ""), toke
 POSITIVE = ("lr", "adam_eps", "taco_temperature", "tacl_temperature", "cocolm_scl_temperature")
 # half-open ranges (low, high, low included, high included)
 RANGES = dict(mask_prob=(0, 1, False, False), dropout=(0, 1, True, False), beta2=(0, 1, True, False),
-              cocolm_crop_fraction=(0, 1, False, True), val_fraction=(0, 0.5, True, True))
+              cocolm_crop_fraction=(0, 1, False, True), val_fraction=(0, 0.5, False, True))
 
 
 def validate(cfg):
@@ -232,6 +235,9 @@ def validate(cfg):
         need((v >= low if low_in else v > low) and (v <= high if high_in else v < high), name,
              f"must be in {'[(' [not low_in]}{low}, {high}{')]'[high_in]}")
     need(cfg.warmup_steps <= cfg.max_steps, "warmup_steps", f"must be <= --max_steps {cfg.max_steps}")
+    need(cfg.objective != "tacl" or cfg.init_from or cfg.resume, "init_from",
+         "TaCL continues a trained model: pass --init_from a run dir or a Hugging Face BERT dir "
+         "(e.g. first python train.py --objective mlm --out_dir out/mlm, then --init_from out/mlm)")
     device = re.fullmatch(r"auto|cpu|mps|cuda(?::(\d+))?", cfg.device)
     need(device, "device", "choose from auto, cpu, cuda, cuda:N, mps")
     if cfg.device.startswith("cuda"):
@@ -270,6 +276,11 @@ def resume_config(cfg, given):
     if not os.path.isfile(path):
         raise ValueError(f"--resume {cfg.resume}: no checkpoint there")
     ckpt = load_checkpoint_file(path)
+    missing = {"model", "model_config", "objective", "optimizer", "scaler", "step", "loader", "config"} - set(ckpt)
+    unknown = set(ckpt["model_config"]) - {f.name for f in fields(BertConfig)}
+    if missing or unknown:
+        raise ValueError(f"--resume {path}: not a resumable checkpoint of this version (missing "
+                         f"{sorted(missing)}, unknown model_config keys {sorted(unknown)})")
     run_dir = os.path.dirname(path) or "."
     saved = TrainConfig(**{k: v for k, v in ckpt["config"].items() if k in {f.name for f in fields(TrainConfig)}})
     for name in FIXED_ON_RESUME:
@@ -366,8 +377,9 @@ def take_lock(out_dir):
                 pid = int(pid)
             except (OSError, ValueError):
                 pid, host = None, None  # an empty lock: its writer died between create and write
-            if pid is None or host == socket.gethostname() and pid != os.getpid() and not pid_alive(pid):
-                os.remove(path)  # a stale lock
+            # stale: dead on this host, or our own pid (a restarted container reusing it: we don't hold it yet)
+            if pid is None or host == socket.gethostname() and (pid == os.getpid() or not pid_alive(pid)):
+                os.remove(path)
                 continue
             raise ValueError(f"--out_dir {out_dir} is in use by process {pid} on {host} (its .lock); "
                              f"if that run is gone, delete {path}") from None
@@ -488,10 +500,12 @@ def main(argv=None):
             lock = take_lock(cfg.out_dir)  # before anything is written there
         code = train(cfg, ckpt)
     except ValueError as e:  # bad input: one clear line, exit 2, nothing saved is touched
-        print(f"error: {e}", file=sys.stderr)
+        if int(os.environ.get("RANK", 0)) == 0:  # once, not once per DDP rank
+            print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except Diverged as e:
-        print(f"error: {e}", file=sys.stderr)
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:  # before the training loop, which handles its own
         print("interrupted before training started: nothing was saved", file=sys.stderr)
@@ -529,6 +543,7 @@ def train(cfg, ckpt=None):
             torch.cuda.set_device(device)
         dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo", timeout=DDP_TIMEOUT)
         data_group = dist.new_group(backend="gloo", timeout=DATA_TIMEOUT)
+        stop_group = dist.new_group(backend="gloo", timeout=DDP_TIMEOUT)  # agreeing on a stop, on the CPU
     else:
         rank, world = 0, 1
     master = rank == 0
@@ -576,7 +591,7 @@ def train(cfg, ckpt=None):
     model_config = BertConfig(**MODEL_PRESETS[cfg.model_size], vocab_size=tok.get_vocab_size(), dropout=cfg.dropout,
                               **{f"{k}_token_id": v for k, v in special.items()})
     if ckpt:
-        model_config = BertConfig(**ckpt["model_config"])
+        model_config = replace(BertConfig(**ckpt["model_config"]), dropout=cfg.dropout)  # --dropout may change
     elif init_model:
         mine = (init_model.config.vocab_size, init_model.config.mask_token_id, init_model.config.cls_token_id)
         if mine != (model_config.vocab_size, special["mask"], special["cls"]):
@@ -604,11 +619,16 @@ def train(cfg, ckpt=None):
         try:
             model.load_state_dict(ckpt["model"])
             objective.load_state_dict(ckpt["objective"])
-            optimizer.load_state_dict(ckpt["optimizer"])
+            # the saved param groups would override the flags given now (and fused=, which follows the device)
+            state = ckpt["optimizer"]
+            for group, decay in zip(state["param_groups"], (cfg.weight_decay, 0.0)):
+                group.update(betas=(0.9, cfg.beta2), eps=cfg.adam_eps, weight_decay=decay, fused=device_type == "cuda")
+            optimizer.load_state_dict(state)
             train_loader.load_state_dict(ckpt["loader"])  # global sequences read: exact on any batch / world size
+            if scaler.is_enabled() and ckpt["scaler"]:  # a bf16 / fp32 run saved an empty state: a fresh scale
+                scaler.load_state_dict(ckpt["scaler"])
         except (RuntimeError, ValueError, KeyError, TypeError) as e:
             raise ValueError(f"--resume: checkpoint does not match this run ({str(e).splitlines()[0][:200]})") from None
-        scaler.load_state_dict(ckpt["scaler"])
         step = saved_step = ckpt["step"]
 
     # compile the encoder's forward (fixed shapes, so never a recompile): +28% tokens/s measured on an
@@ -709,13 +729,25 @@ def train(cfg, ckpt=None):
             print(f"step {step:6d} | " + " | ".join(f"{k} {v:.4f}" for k, v in record.items() if k != "step"))
 
     # SIGINT (Ctrl-C) and SIGTERM (what schedulers send before SIGKILL) stop the run between two steps,
-    # never inside one; a second signal stops it at once
+    # never inside one; a second Ctrl-C stops it at once (a second SIGTERM is ignored)
     stop = []
 
     def on_signal(signum, frame):
-        if stop:
+        if stop and signum == signal.SIGINT:  # a second Ctrl-C: stop now
             raise KeyboardInterrupt
-        stop.append(signum)
+        if not stop:  # a repeated SIGTERM (the scheduler and torchrun both send one) must not abort the save
+            stop.append(signum)
+
+    def stopping():
+        # under DDP a signal reaches the ranks at different moments: they agree (a tiny gloo all-reduce on
+        # the CPU, no GPU sync) so that all stop after the same step; one going on would hang in all-reduce
+        if not ddp:
+            return bool(stop)
+        flag = torch.tensor([len(stop)])
+        dist.all_reduce(flag, group=stop_group)
+        if flag.item() and not stop:
+            stop.append(signal.SIGTERM)
+        return bool(flag.item())
 
     handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     peak = gpu_peak_flops(device) if device_type == "cuda" else None
@@ -726,7 +758,8 @@ def train(cfg, ckpt=None):
     try:
         if step == 0:
             run_eval()  # the untrained baseline
-        while step < cfg.max_steps and not stop:
+            t0 = t_log = time.time()  # tokens/s and the ETA count training steps only
+        while step < cfg.max_steps and not stopping():
             lr = lr_at(step, cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -793,14 +826,15 @@ def train(cfg, ckpt=None):
         return 130
     finally:
         for s, handler in handlers.items():
-            signal.signal(s, handler)
+            if not stop:  # after a stop, keep ignoring a late repeated SIGTERM while exiting
+                signal.signal(s, handler)
         if log_file:
             log_file.close()
         if ddp:
             dist.destroy_process_group()
     if master:
-        print(f"done: {step} steps in {duration(time.time() - t0)}. In {cfg.out_dir}: ckpt.pt (step {step}, for "
-              f"--resume), model.safetensors + config.json (Hugging Face export, for eval.py --model), "
+        print(f"done: steps {first_step} -> {step} in {duration(time.time() - t0)}. In {cfg.out_dir}: ckpt.pt "
+              f"(step {step}, for --resume), model.safetensors + config.json (Hugging Face export, for eval.py --model), "
               f"tokenizer.json + vocab.txt, log.jsonl" + (", code.diff" if os.path.isfile(
                   os.path.join(cfg.out_dir, "code.diff")) else ""))
     return 0
