@@ -740,9 +740,12 @@ def train(cfg, ckpt=None):
 
     def stopping():
         # under DDP a signal reaches the ranks at different moments: they agree (a tiny gloo all-reduce on
-        # the CPU, no GPU sync) so that all stop after the same step; one going on would hang in all-reduce
+        # the CPU, no GPU sync) so that all stop after the same step; one going on would hang in all-reduce.
+        # Only at log steps, which every rank reaches together, so the loop pays for it rarely
         if not ddp:
             return bool(stop)
+        if step % cfg.log_interval:
+            return False
         flag = torch.tensor([len(stop)])
         dist.all_reduce(flag, group=stop_group)
         if flag.item() and not stop:
