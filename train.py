@@ -584,7 +584,9 @@ def train(cfg, ckpt=None):
     loader_args = dict(seq_len=cfg.seq_len, cls_id=special["cls"], sep_id=special["sep"], device=device)
     train_loader = data.BlockLoader(train_tokens, batch_size=cfg.batch_size, rank=rank, world_size=world,
                                     seed=cfg.seed, **loader_args)
-    val_loader = data.BlockLoader(val_tokens, batch_size=cfg.batch_size, seed=0, **loader_args)
+    # the held-out set must not follow the per-process batch (lowered by the process count): a fixed row
+    # count, the negative pool where there is one, so TACO's held-out negatives match training's
+    val_loader = data.BlockLoader(val_tokens, batch_size=cfg.negative_pool or 16, seed=0, **loader_args)
     val_loader.start_state = val_loader.state_dict()
 
     # ---- model and objective
