@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 import analysis
 from data import load_tokenizer
-from model import Bert, config_to_hf
+from model import Bert, config_to_hf, write_atomic
 
 # ----------------------------------------------------------------------------------------------
 # Metrics (numpy, x100 as the papers report them)
@@ -273,12 +273,6 @@ def load_task(task, glue_dir=None, test=False):
     if empty:
         raise TaskMissing(f"the {empty[0]} split has no rows")
     return {"train": splits.pop("train"), "dev": splits, **({"test": test_sets} if test else {})}
-
-
-def write_atomic(path, text):
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)
 
 
 def write_submission(path, task, index, preds):

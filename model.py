@@ -275,13 +275,13 @@ class Bert(nn.Module):
         weights = os.path.join(out_dir, "model.safetensors")
         save_file(state, weights + ".tmp", metadata=metadata)
         os.replace(weights + ".tmp", weights)
-        _write_atomic(os.path.join(out_dir, "config.json"), json.dumps(hf_config, indent=2))
+        write_atomic(os.path.join(out_dir, "config.json"), json.dumps(hf_config, indent=2))
         if tokenizer_dir and os.path.abspath(tokenizer_dir) != os.path.abspath(out_dir):
             for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
                 src = os.path.join(tokenizer_dir, name)
                 if os.path.isfile(src):
                     with open(src, encoding="utf-8") as f:
-                        _write_atomic(os.path.join(out_dir, name), f.read())
+                        write_atomic(os.path.join(out_dir, name), f.read())
 
 
 def hf_weight_names(config):
@@ -406,7 +406,8 @@ def _load_project_checkpoint(path):
     return model
 
 
-def _write_atomic(path, text):
+def write_atomic(path, text):
+    """Text via a temporary file and os.replace: a kill never leaves a partial file (train.py and eval.py use it)."""
     with open(path + ".tmp", "w", encoding="utf-8") as f:
         f.write(text)
     os.replace(path + ".tmp", path)

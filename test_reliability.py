@@ -255,8 +255,8 @@ def test_kill_between_export_and_checkpoint_leaves_a_loadable_run(corpus, cache,
     assert not (out_dir / ".lock").exists()
 
     # killed between the export's two files: weights of step 20, config.json of step 10
-    real_write = model._write_atomic
-    monkeypatch.setattr(model, "_write_atomic", lambda path, text: (_ for _ in ()).throw(RuntimeError("killed"))
+    real_write = model.write_atomic
+    monkeypatch.setattr(model, "write_atomic", lambda path, text: (_ for _ in ()).throw(RuntimeError("killed"))
                         if path.endswith("config.json") else real_write(path, text))
     ckpt = model.load_checkpoint_file(str(out_dir / "ckpt.pt"))
     m = model.Bert(model.BertConfig(**ckpt["model_config"]))

@@ -30,7 +30,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from data import DEFAULT_DATA, HUB_CORPUS
-from model import Bert, BertConfig, MODEL_PRESETS, load_checkpoint_file
+from model import Bert, BertConfig, MODEL_PRESETS, load_checkpoint_file, write_atomic
 
 
 @dataclass
@@ -350,12 +350,6 @@ def micro_batching(cfg, world):
 
 def atomic_save(obj, path):
     torch.save(obj, path + ".tmp")
-    os.replace(path + ".tmp", path)
-
-
-def write_atomic(path, text):
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        f.write(text)
     os.replace(path + ".tmp", path)
 
 
