@@ -38,7 +38,7 @@ SCALES = {
     # It checks the pipeline end to end (test_reproduce.py runs it); its numbers mean nothing.
     "toy": dict(
         train=["--preset", "smoke", "--vocab_size", "1000", "--seq_len", "64", "--batch_size", "8",
-               "--tokens_per_step", "512", "--warmup_steps", "3", "--log_interval", "5", "--eval_interval", "10",
+               "--tokens_per_step", "512", "--log_interval", "5", "--eval_interval", "10",
                "--eval_batches", "1", "--ckpt_interval", "1000", "--val_fraction", "0.05"],
         steps=20, extra_steps=10, continue_lr=1e-3,
         glue=["--max_train_samples", "64", "--max_eval_samples", "64", "--epochs", "1", "--max_len", "64"],
@@ -56,7 +56,7 @@ SCALES = {
     # cost 2.5 minutes a seed): ~40 s per seed per model, ~8 minutes for the 6 runs.
     "mini": dict(
         train=["--preset", "small", "--seq_len", "128", "--batch_size", "256", "--tokens_per_step", "32768",
-               "--lr", "5e-4", "--warmup_steps", "300", "--log_interval", "50", "--eval_interval", "500",
+               "--lr", "5e-4", "--log_interval", "50", "--eval_interval", "500",
                "--eval_batches", "20", "--ckpt_interval", "1000",
                # TACO's and COCO-LM's negatives: the paper's 80 per GPU does not divide 256; 64 is the divisor nearest it
                "--negative_pool", "64"],
@@ -196,8 +196,10 @@ def pretrain(args, scale, name, objective, steps, extra):
     else:
         if os.path.isdir(run_dir) and not args.dry_run:  # a run killed before its first checkpoint
             shutil.rmtree(run_dir)
+        # 10% warm-up, then linear decay to 0 (the continuations pass their own after it)
         cmd = [args.python, "train.py", "--objective", objective, *scale["train"], "--max_steps", str(steps),
-               "--seed", str(args.seed), "--cache_dir", args.cache_dir, "--out_dir", run_dir, *extra]
+               "--warmup_steps", str(max(1, steps // 10)), "--seed", str(args.seed), "--cache_dir", args.cache_dir,
+               "--out_dir", run_dir, *extra]
         if args.data:
             cmd += ["--data", args.data]
     if not args.dry_run:

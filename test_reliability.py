@@ -91,6 +91,14 @@ def test_every_bad_flag_is_one_error_line(corpus, cache, tmp_path, capsys):
     assert not (tmp_path / "run").exists()  # validation comes before anything is written
 
 
+def test_a_fixed_cuda_device_under_torchrun_is_refused(corpus, cache, tmp_path, capsys, monkeypatch):
+    """Every torchrun process would train on the same GPU: refused before anything starts."""
+    monkeypatch.setenv("RANK", "0")
+    code, _, err = run_main(flags(corpus, cache, tmp_path / "run") + ["--device", "cuda:1"], capsys)
+    assert code == 2 and not (tmp_path / "run").exists()
+    one_error(err, "--device", "cuda:LOCAL_RANK")
+
+
 def test_help_shows_the_chosen_preset(capsys):
     code, out, _ = run_main(["--preset", "small", "--help"], capsys)
     row = next(line for line in out.splitlines() if line.strip().startswith("--preset "))
@@ -284,11 +292,17 @@ def test_resume_into_another_out_dir_and_a_busy_out_dir_are_refused(corpus, cach
     assert code == 2 and not (tmp_path / "other").exists()
     one_error(err, "another directory", "--init_from")
 
-    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     (tmp_path / "busy").mkdir()
+    # another process holds the OS lock on each .lock, as a running train.py does
+    holder = ("import fcntl, os, socket, sys, time\n"
+              "files = [open(os.path.join(d, '.lock'), 'a+') for d in sys.argv[1:]]\n"
+              "for f in files:\n"
+              "    fcntl.flock(f, fcntl.LOCK_EX); f.write(f'{os.getpid()} {socket.gethostname()}'); f.flush()\n"
+              "print('locked', flush=True); time.sleep(60)\n")
+    sleeper = subprocess.Popen([sys.executable, "-c", holder, str(run_dir), str(tmp_path / "busy")],
+                               stdout=subprocess.PIPE, text=True)
     try:
-        for d in (run_dir, tmp_path / "busy"):
-            (d / ".lock").write_text(f"{sleeper.pid} {socket.gethostname()}")
+        assert sleeper.stdout.readline().strip() == "locked"
         for argv in (["--resume", run_dir, "--max_steps", 10], flags(corpus, cache, tmp_path / "busy")):
             code, _, err = run_main(argv, capsys)
             assert code == 2
@@ -296,7 +310,9 @@ def test_resume_into_another_out_dir_and_a_busy_out_dir_are_refused(corpus, cach
     finally:
         sleeper.kill()
         sleeper.wait()
-    # the lock of a process that died (a killed run) is taken over
+    # a .lock left behind by a process that died (killed, on this host or another) is taken over: the OS
+    # released its lock with it; the file's "pid host" alone does not hold the directory
+    (run_dir / ".lock").write_text("999999 some-other-host")
     code, _, err = run_main(["--resume", run_dir, "--max_steps", 10], capsys)
     assert code == 0, err
     assert not (run_dir / ".lock").exists()

@@ -156,6 +156,23 @@ def test_tacl_needs_init_from_then_continues_an_mlm_run(corpus, tmp_path):
     assert "tacl_loss" in train_lines[0] and losses[-1] < losses[0], losses
 
 
+def test_init_from_a_hugging_face_bert_model_with_a_pooler(corpus, tmp_path):
+    """--init_from a transformers BertModel directory (a pooler, no MLM head): every encoder weight is
+    loaded (strictly: only the pooler is dropped), the vocabulary comes from its vocab.txt."""
+    transformers = pytest.importorskip("transformers")
+    assert run(common(corpus, tmp_path, out="mlm", max_steps=5, ckpt_interval=5)).returncode == 0
+    hf = transformers.BertModel.from_pretrained(str(tmp_path / "mlm"))  # our export, plus a fresh pooler
+    hf.save_pretrained(str(tmp_path / "hf"))
+    (tmp_path / "hf" / "vocab.txt").write_text((tmp_path / "mlm" / "vocab.txt").read_text())
+    r = run(common(corpus, tmp_path, out="cont", max_steps=1, lr=1e-12, warmup_steps=0, init_from=tmp_path / "hf"))
+    assert r.returncode == 0, r.stderr
+    ours = train.Bert.from_pretrained(str(tmp_path / "cont")).state_dict()
+    start = train.Bert.from_pretrained(str(tmp_path / "hf")).state_dict()
+    for k, v in ours.items():
+        if not k.startswith(("head.", "pooler.")):  # BertModel has no MLM head: it starts fresh
+            assert torch.allclose(v, start[k], atol=1e-6), k
+
+
 # ---- bad input: one clear line, non-zero exit, nothing saved lost
 
 def test_bad_input_is_one_clear_error(corpus, tmp_path):
@@ -234,3 +251,32 @@ def test_sigkill_then_resume_continues_the_same_curve(corpus, tmp_path):
     for x in reference:
         if "loss" in x:
             assert resumed[x["step"]] == pytest.approx(x["loss"], abs=1e-6), x["step"]
+
+
+# ---- SIGTERM to torchrun: the ranks agree on a stop, rank 0 saves; the run resumes on another layout
+
+def test_torchrun_sigterm_saves_then_resumes_on_one_process(corpus, tmp_path):
+    flags = dict(max_steps=100000, warmup_steps=5, log_interval=2, ckpt_interval=100000, eval_interval=100000)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             "train.py", *map(str, common(corpus, tmp_path, out="ddp", **flags))],
+                            cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    log, deadline = tmp_path / "ddp" / "log.jsonl", time.time() + 180
+    while time.time() < deadline and not (log.is_file() and sum(1 for _ in open(log)) > 4):
+        time.sleep(0.05)  # a few log steps in
+    proc.send_signal(signal.SIGTERM)  # to the launcher, as a scheduler would; torchrun passes it on
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode != 0 and "SIGTERM: stopped after step" in out, err[-2000:]
+    step = int(out.split("SIGTERM: stopped after step ")[1].split(";")[0])
+    ckpt = torch.load(tmp_path / "ddp" / "ckpt.pt", weights_only=True)
+    sequences_per_step = 256 // 32  # common(): tokens_per_step / seq_len
+    assert step > 0 and step % 2 == 0, step  # the ranks stop together, at a log step
+    assert ckpt["step"] == step and ckpt["loader"] == {"sequences": step * sequences_per_step}
+    assert train.export_step(str(tmp_path / "ddp")) == step and not (tmp_path / "ddp" / ".lock").exists()
+
+    r = run(["--resume", tmp_path / "ddp", "--max_steps", step + 4])  # one process now
+    assert r.returncode == 0, r.stderr
+    ckpt = torch.load(tmp_path / "ddp" / "ckpt.pt", weights_only=True)
+    assert ckpt["step"] == step + 4 and ckpt["loader"] == {"sequences": (step + 4) * sequences_per_step}
+    _, records = read_log(tmp_path / "ddp")
+    assert max(x["step"] for x in records if "loss" in x) == step + 4

@@ -240,6 +240,8 @@ def validate(cfg):
          "(e.g. first python train.py --objective mlm --out_dir out/mlm, then --init_from out/mlm)")
     device = re.fullmatch(r"auto|cpu|mps|cuda(?::(\d+))?", cfg.device)
     need(device, "device", "choose from auto, cpu, cuda, cuda:N, mps")
+    need(not (device.group(1) and "RANK" in os.environ), "device",
+         "under torchrun each process takes cuda:LOCAL_RANK: pass --device cuda (or auto)")
     if cfg.device.startswith("cuda"):
         need(torch.cuda.is_available(), "device", "CUDA is not available on this machine (use cpu or auto)")
         need(device.group(1) is None or int(device.group(1)) < torch.cuda.device_count(), "device",
@@ -358,39 +360,52 @@ class Diverged(RuntimeError):
 
 
 def take_lock(out_dir):
-    """out_dir/.lock holds "pid host" while a run writes there: a second run on the same out_dir is
-    refused; a lock whose process is dead on this host (a killed run) is taken over."""
+    """Hold out_dir/.lock while a run writes there: a second run on the same out_dir is refused. It is
+    an OS file lock (flock), so the OS releases it when the process dies, however it dies, on this host
+    or another one sharing the file system: a killed run never leaves a stale lock. The file holds
+    "pid host" for the error message. Returns the open file: closing it (or exiting) releases the lock."""
     os.makedirs(out_dir, exist_ok=True)
-    path, me = os.path.join(out_dir, ".lock"), f"{os.getpid()} {socket.gethostname()}"
-    for _ in range(2):
+    path = os.path.join(out_dir, ".lock")
+    while True:
+        f = open(path, "a+")
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
+            if os.name == "nt":  # Windows has no flock: lock the first byte
+                import msvcrt
+                f.seek(0)
+                msvcrt.locking(f.fileno(), msvcrt.LK_NBLCK, 1)
+            else:
+                import fcntl
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
             try:
-                pid, host = open(path).read().split()
-                pid = int(pid)
+                f.seek(0)
+                pid, host = f.read().split()
+                holder = f"process {pid} on {host}"
             except (OSError, ValueError):
-                pid, host = None, None  # an empty lock: its writer died between create and write
-            # stale: dead on this host, or our own pid (a restarted container reusing it: we don't hold it yet)
-            if pid is None or host == socket.gethostname() and (pid == os.getpid() or not pid_alive(pid)):
-                os.remove(path)
-                continue
-            raise ValueError(f"--out_dir {out_dir} is in use by process {pid} on {host} (its .lock); "
-                             f"if that run is gone, delete {path}") from None
-        with os.fdopen(fd, "w") as f:
-            f.write(me)
-        return path
-    raise ValueError(f"--out_dir {out_dir}: could not take {path}")
+                holder = "another process"
+            f.close()
+            raise ValueError(f"--out_dir {out_dir} is in use by {holder} (it holds {path})") from None
+        try:  # the holder we waited on may have deleted the file on its way out: lock the one at path
+            same = os.path.samestat(os.fstat(f.fileno()), os.stat(path))
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        f.close()
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()} {socket.gethostname()}")
+    f.flush()
+    return f
 
 
-def pid_alive(pid):
+def release_lock(lock):
+    """Delete the .lock, then release it (in this order: see take_lock's samestat check)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        return True
-    return True
+        os.remove(lock.name)
+    except OSError:
+        pass
+    lock.close()
 
 
 def repair_log(path):
@@ -505,8 +520,8 @@ def main(argv=None):
         print("interrupted before training started: nothing was saved", file=sys.stderr)
         sys.exit(130)
     finally:
-        if lock and os.path.isfile(lock) and open(lock).read().split()[:1] == [str(os.getpid())]:
-            os.remove(lock)
+        if lock:
+            release_lock(lock)
     if code:
         sys.exit(code)
 
@@ -596,7 +611,8 @@ def train(cfg, ckpt=None):
         model_config = replace(init_model.config, dropout=cfg.dropout)
     model = Bert(model_config)
     if init_model:
-        model.load_state_dict(init_model.state_dict(), strict=False)  # a pooler, if any, is dropped
+        # every weight but a pooler (Hugging Face BertModel has one; pretraining has no use for it)
+        model.load_state_dict({k: v for k, v in init_model.state_dict().items() if not k.startswith("pooler.")})
     model.to(device)
     objective = LOSSES[cfg.objective](model, cfg).to(device)
     params = list(model.parameters()) + [p for p in objective.parameters() if p.requires_grad]
