@@ -46,7 +46,8 @@ import torch
 
 from losses import LOSSES, eligible_positions, generator_config
 from model import Bert, BertConfig, MODEL_PRESETS, config_to_hf
-from train import TrainConfig, Pretrainer, configure_optimizer, gpu_peak_flops
+from config import TrainConfig
+from train import Pretrainer, configure_optimizer, gpu_peak_flops
 
 
 def objective_flops_per_token(objective, config, cfg, seq_len):

@@ -10,7 +10,8 @@ from torch.utils.flop_counter import FlopCounterMode
 import bench
 from losses import LOSSES, crop_views
 from model import Bert, BertConfig, MODEL_PRESETS
-from train import TrainConfig, flops_per_token
+from config import TrainConfig
+from train import flops_per_token
 
 TINY = ["--model_size", "tiny", "--device", "cpu", "--batch_size", "2", "--seq_len", "32", "--steps", "1",
         "--warmup", "1"]

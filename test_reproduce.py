@@ -112,11 +112,12 @@ def test_bad_only_is_one_line(tmp_path):
 def test_scale_flags_are_a_valid_run(scale, objective):
     """Every scale's train.py flags make a valid run for every objective on one process (mini is one
     GPU): a layout error found here costs nothing, found on the GPU it costs device time."""
+    import config
     import train
     extra = ["--init_from", "out/mlm"] if objective == "tacl" else []
-    cfg, _ = train.parse_args(["--objective", objective, *reproduce.SCALES[scale]["train"], *extra])
+    cfg, _ = config.parse_args(["--objective", objective, *reproduce.SCALES[scale]["train"], *extra])
     cfg.device = "cpu"  # validate() checks the device exists; the GPU scale's flags leave it at auto
-    train.validate(cfg)
+    config.validate(cfg)
     batch_size, accum = train.micro_batching(cfg, 1)
     assert batch_size * cfg.seq_len * accum == cfg.tokens_per_step
     if objective in ("taco", "cocolm") and cfg.negative_pool:

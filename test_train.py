@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import config
 import train
 
 HERE = Path(__file__).resolve().parent
@@ -58,14 +59,14 @@ def read_log(out_dir):
 # ---- flags
 
 def test_flags_presets_and_types():
-    cfg, given = train.parse_args(["--max_steps", "7", "--preset=small", "--compile", "--taco_stop_grad=false"])
+    cfg, given = config.parse_args(["--max_steps", "7", "--preset=small", "--compile", "--taco_stop_grad=false"])
     assert cfg.max_steps == 7 and cfg.model_size == "small" and cfg.seq_len == 256  # preset, then flags
     assert cfg.compile is True and cfg.taco_stop_grad is False and set(given) == {
         "max_steps", "preset", "compile", "taco_stop_grad"}
     for bad, msg in ((["--nope", "1"], "unknown flag"), (["--max_steps", "x"], "expects int"),
                      (["--preset", "huge"], "unknown preset"), (["--compile", "maybe"], "true or false")):
         with pytest.raises(ValueError, match=msg):
-            train.parse_args(bad)
+            config.parse_args(bad)
 
 
 def test_help_lists_fields_with_comments():
@@ -74,13 +75,13 @@ def test_help_lists_fields_with_comments():
 
 
 def test_micro_batching_keeps_the_global_batch():
-    tacl = train.TrainConfig(**train.PRESETS["tacl"])  # 64 x 256 tokens per process, 65,536 per step
+    tacl = config.TrainConfig(**config.PRESETS["tacl"])  # 64 x 256 tokens per process, 65,536 per step
     assert train.micro_batching(tacl, 1) == (64, 4)
     assert train.micro_batching(tacl, 8) == (32, 1)  # 8 GPUs: the cap drops to 32 sequences each
     assert train.micro_batching(tacl, 16) == (16, 1)
     with pytest.raises(ValueError, match="not a multiple"):
         train.micro_batching(tacl, 3)  # 65,536 tokens do not split over 3 processes
-    base = train.TrainConfig(**train.PRESETS["base"], objective="taco")  # 1,280 x 256 per step, pools of 80
+    base = config.TrainConfig(**config.PRESETS["base"], objective="taco")  # 1,280 x 256 per step, pools of 80
     assert train.micro_batching(base, 1) == (80, 16) and train.micro_batching(base, 16) == (80, 1)
     with pytest.raises(ValueError, match="negative_pool 80"):
         train.micro_batching(base, 32)  # 40 sequences per process: no whole pool of 80
@@ -91,19 +92,19 @@ def test_small_and_base_presets_are_taco_table_5():
     table5 = dict(seq_len=256, vocab_size=30522, lr=1e-4, beta2=0.999, adam_eps=1e-8, weight_decay=0.01,
                   grad_clip=1.0, dropout=0.1, mask_prob=0.15)
     for preset, size, steps, warmup in (("small", "small", 250_000, 2_500), ("base", "base", 500_000, 10_000)):
-        cfg = train.TrainConfig(**train.PRESETS[preset])
+        cfg = config.TrainConfig(**config.PRESETS[preset])
         assert {k: getattr(cfg, k) for k in table5} == table5
         assert (cfg.model_size, cfg.max_steps, cfg.warmup_steps) == (size, steps, warmup)
         assert cfg.tokens_per_step == 1280 * 256  # batch 1,280 sequences of 256 tokens
         # one GPU: 80 sequences x 16 accumulation micro-steps = 1,280; 16 GPUs (the paper's 80 per GPU): none
         assert train.micro_batching(cfg, 1) == (80, 16) and train.micro_batching(cfg, 16) == (80, 1)
-        assert set(train.PRESET_SOURCES[preset]) >= set(table5) | {"tokens_per_step", "max_steps", "warmup_steps"}
-    small = train.MODEL_PRESETS["small"]
+        assert set(config.PRESET_SOURCES[preset]) >= set(table5) | {"tokens_per_step", "max_steps", "warmup_steps"}
+    small = config.MODEL_PRESETS["small"]
     assert (small["num_layers"], small["hidden_size"], small["num_heads"]) == (4, 512, 8)
 
 
 def test_lr_schedule_warmup_then_linear_decay():
-    cfg = train.TrainConfig(lr=1.0, warmup_steps=10, max_steps=110)
+    cfg = config.TrainConfig(lr=1.0, warmup_steps=10, max_steps=110)
     assert train.lr_at(0, cfg) == pytest.approx(0.1) and train.lr_at(9, cfg) == pytest.approx(1.0)
     assert train.lr_at(60, cfg) == pytest.approx(0.5) and train.lr_at(110, cfg) == 0.0
 
@@ -135,8 +136,8 @@ def test_objective_trains_and_loss_falls(corpus, tmp_path, objective):
     losses = [x["loss"] for x in records if "loss" in x]
     assert losses[-1] < losses[0], losses
     # COCO-LM and ELECTRA never train the MLM head: the export is the encoder alone (BertModel)
-    config = json.loads((tmp_path / "run" / "config.json").read_text())
-    assert config["architectures"] == (["BertForMaskedLM"] if objective == "taco" else ["BertModel"])
+    hf_config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert hf_config["architectures"] == (["BertForMaskedLM"] if objective == "taco" else ["BertModel"])
     exported = train.Bert.from_pretrained(str(tmp_path / "run")).hf_state_dict()
     trained = train.Bert.from_pretrained(str(tmp_path / "run" / "ckpt.pt")).hf_state_dict()
     for k, v in exported.items():

@@ -6,22 +6,19 @@ a multi-node GPU cluster.
     python train.py --objective taco --preset small --data DIR_OF_TEXT   # TACO Table 5 on one GPU
     torchrun --standalone --nproc_per_node=8 train.py --objective taco --preset base
 
-Flags are the TrainConfig fields below (--name value or --name=value); --help lists them with
-the chosen preset's values and where each comes from.
+Flags are the TrainConfig fields in config.py (--name value or --name=value); --help lists them
+with the chosen preset's values and where each comes from.
 """
 import hashlib
-import inspect
 import json
-import math
 import os
-import re
 import signal
 import socket
 import subprocess
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, asdict, fields, replace
+from dataclasses import asdict, replace
 from datetime import timedelta
 
 import torch
@@ -29,270 +26,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from data import DEFAULT_DATA, HUB_CORPUS
-from model import Bert, BertConfig, MODEL_PRESETS, load_checkpoint_file, write_atomic
-
-
-@dataclass
-class TrainConfig:
-    # what to train
-    objective: str = "mlm"  # mlm | taco | tacl | cocolm | electra (losses.LOSSES)
-    preset: str = "smoke"  # smoke (tiny, CPU) | small | base: sets the defaults below, flags override
-    model_size: str = "tiny"  # model.MODEL_PRESETS: tiny | small (TACO's BERT-small) | base
-    init_from: str = ""  # start from these weights: a run dir, a ckpt.pt, or a Hugging Face BERT dir
-    resume: str = ""  # continue a run exactly: its out_dir or ckpt.pt
-    # data
-    data: str = DEFAULT_DATA  # a local file / dir / glob, or a datasets hub name ("name:config"); smoke: the sample in assets/
-    tokenizer: str = ""  # tokenizer.json, vocab.txt or a dir with them; empty = the init_from dir's, else train one
-    vocab_size: int = 30522  # size of a newly trained WordPiece vocabulary (BERT's)
-    val_fraction: float = 0.005  # share of the corpus held out for the validation MLM loss
-    cache_dir: str = "cache"  # tokenizers and token files, reused across runs
-    seq_len: int = 128  # tokens per packed block, [CLS] and [SEP] included
-    # optimisation (these defaults are the smoke run's; --preset small/base set TACO Table 5's)
-    batch_size: int = 16  # sequences per micro-step per process: a memory cap, lowered to fit tokens_per_step
-    tokens_per_step: int = 2048  # global tokens per optimizer step: gradient accumulation is derived from it
-    max_steps: int = 300  # optimizer steps; the schedule decays to 0 here
-    lr: float = 1e-3  # peak learning rate
-    warmup_steps: int = 30  # linear warmup, then linear decay to 0 at max_steps
-    weight_decay: float = 0.01  # on >= 2-D weights only (not biases or LayerNorm), as BERT
-    beta2: float = 0.999  # AdamW beta2 (Table 5; RoBERTa's 0.98 is steadier with huge batches)
-    adam_eps: float = 1e-8  # AdamW epsilon (Table 5; BERT and RoBERTa use 1e-6)
-    grad_clip: float = 1.0  # clip the global grad norm (0 = off)
-    dropout: float = 0.1  # BERT pretraining dropout (hidden and attention)
-    mask_prob: float = 0.15  # share of non-special tokens selected for prediction (BERT)
-    # objective hyperparameters, with their sources
-    mlm_predict_all: bool = False  # MLM+TP ablation (TACO §5.2): also predict every unmasked token
-    taco_window: int = 5  # W: positives within +-W//2 (TACO App. A, official scripts)
-    taco_negatives: int = 50  # K negatives per anchor (TACO App. A)
-    taco_temperature: float = 0.07  # tau (TACO App. A)
-    taco_weight: float = 1.0  # lambda in L_MLM + lambda * L_TC (TACO Eq. 11)
-    taco_anchors: str = "all"  # all non-pad positions (official default) | masked ("concentrated TACO", §5.2)
-    taco_stop_grad: bool = True  # detach positives/negatives (official code); False = the ablation
-    negative_pool: int = 0  # sequences sharing one pool of negatives (TACO rows, COCO-LM NT-Xent); 0 = the per-process micro-batch
-    tacl_temperature: float = 0.01  # tau (TaCL §3, official scripts)
-    gen_shape: str = "cocolm"  # generator: cocolm = same width, max(1, round(L/3)) layers (COCO-LM §4) | electra = full depth, 1/4 width (1/3 for base) (ELECTRA Table 6)
-    gen_layers: int = 0  # generator depth; 0 = the gen_shape's own
-    cocolm_copy_weight: float = 50.0  # lambda_copy (COCO-LM §3.1)
-    cocolm_scl_temperature: float = 1.0  # tau of the SCL NT-Xent (COCO-LM §4)
-    cocolm_crop_fraction: float = 0.9  # share of tokens kept in SCL's cropped view (COCO-LM §3.2)
-    electra_disc_weight: float = 50.0  # lambda on the discriminator loss (ELECTRA §2)
-    # system
-    device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
-    dtype: str = "auto"  # auto (bf16 on GPUs that have it, else fp16 with a GradScaler; fp32 on CPU) | fp32 | bf16 | fp16
-    compile: bool = True  # torch.compile the model (CUDA only; CPU runs stay eager)
-    seed: int = 1337  # model init, data order and every random draw of the objectives
-    # logging, evaluation, checkpoints
-    out_dir: str = "out/smoke"  # checkpoint, Hugging Face export, tokenizer and log.jsonl go here
-    log_interval: int = 10  # steps between log lines (where the loss is read back: the loop's host syncs, with saves)
-    eval_interval: int = 100  # steps between held-out evaluations
-    eval_batches: int = 8  # held-out batches per evaluation
-    ckpt_interval: int = 100  # steps between checkpoints (also at the end, and on Ctrl-C or SIGTERM)
-
-
-# small / base are TACO's Table 5 (App. A), the pretraining recipe of both MLM and TACO. The official
-# scripts differ (256 sequences x 4 accumulation x 2 GPUs = 2,048 per step); we follow the paper.
-PAPER_RECIPE = dict(seq_len=256, vocab_size=30522, tokens_per_step=1280 * 256, lr=1e-4, beta2=0.999, adam_eps=1e-8,
-                    weight_decay=0.01, grad_clip=1.0, dropout=0.1, mask_prob=0.15, data=HUB_CORPUS,
-                    batch_size=80, negative_pool=80, log_interval=100, eval_batches=20)
-PRESETS = {
-    # a tiny model on the sample corpus in assets/: learns visibly in about a minute on a laptop CPU
-    "smoke": dict(model_size="tiny", data=DEFAULT_DATA, vocab_size=8192, seq_len=128, batch_size=16,
-                  tokens_per_step=2048, max_steps=300, lr=1e-3, warmup_steps=30, log_interval=10,
-                  eval_interval=100, ckpt_interval=100, dropout=0.0),
-    "small": dict(PAPER_RECIPE, model_size="small", max_steps=250_000, warmup_steps=2_500,
-                  eval_interval=2000, ckpt_interval=2000),
-    "base": dict(PAPER_RECIPE, model_size="base", max_steps=500_000, warmup_steps=10_000,
-                 eval_interval=5000, ckpt_interval=5000),
-    # TaCL's own recipe (official train_tacl_english.sh and train.py): continual pretraining of
-    # bert-base-uncased (--init_from), 256 x 256 tokens, 150k steps, 10% warm-up, transformers' AdamW
-    # defaults (eps 1e-6, no weight decay). Not reproduced: its NSP loss on sentence pairs.
-    "tacl": dict(objective="tacl", model_size="base", seq_len=256, vocab_size=30522, tokens_per_step=256 * 256,
-                 batch_size=64, max_steps=150_000, warmup_steps=15_000, lr=1e-4, beta2=0.999, adam_eps=1e-6,
-                 weight_decay=0.0, grad_clip=1.0, dropout=0.1, mask_prob=0.15, data=HUB_CORPUS,
-                 log_interval=100, eval_interval=5000, eval_batches=20, ckpt_interval=5000),
-}
-# where each preset value comes from, printed by --help
-_TABLE5 = "TACO Table 5"
-PRESET_SOURCES = {
-    "small": dict(model_size="TACO §4: 4 layers, 512 hidden, 8 heads", seq_len=_TABLE5, vocab_size=_TABLE5,
-                  tokens_per_step=_TABLE5 + ": 1,280 sequences x 256", max_steps=_TABLE5, warmup_steps=_TABLE5,
-                  lr=_TABLE5 + ", linear decay", beta2=_TABLE5, adam_eps=_TABLE5, weight_decay=_TABLE5,
-                  grad_clip=_TABLE5, dropout=_TABLE5, mask_prob=_TABLE5,
-                  data="ours: English Wikipedia (the paper adds BookCorpus, no longer distributed)",
-                  batch_size="ours: a per-process cap; accumulation makes up 1,280",
-                  negative_pool="ours: the paper's per-GPU batch (1,280 on 16 GPUs), kept on any layout"),
-    "tacl": dict(model_size="TaCL: bert-base-uncased", seq_len="TaCL script: max_len 256",
-                 tokens_per_step="TaCL script: effective batch 256", max_steps="TaCL script: 150,010 steps",
-                 warmup_steps="TaCL train.py: 10% of steps", lr="TaCL script", adam_eps="transformers AdamW default",
-                 weight_decay="transformers AdamW default", grad_clip="TaCL train.py: max_grad_norm 1.0"),
-}
-PRESET_SOURCES["base"] = dict(PRESET_SOURCES["small"], model_size="TACO §4: 12 layers, 768 hidden, 12 heads")
-
-
-def field_help():
-    """name -> (type, default, the comment written beside the field above)."""
-    src = inspect.getsource(TrainConfig)
-    comments = dict(re.findall(r"^\s+(\w+): \w+ = .*?(?:#\s*(.*))?$", src, re.M))
-    return {f.name: (f.type, f.default, comments.get(f.name, "")) for f in fields(TrainConfig)}
-
-
-def parse_value(name, typ, text):
-    if typ is bool or typ == "bool":
-        if text.lower() in ("1", "true", "yes", "on"):
-            return True
-        if text.lower() in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"--{name} expects true or false, got {text!r}")
-    try:
-        return {"int": int, "float": float, "str": str}.get(typ, typ)(text)
-    except ValueError:
-        raise ValueError(f"--{name} expects {getattr(typ, '__name__', typ)}, got {text!r}") from None
-
-
-def print_help(spec, argv):
-    """Each flag with the chosen preset's value (--preset NAME before or after --help) and its source."""
-    preset = next((a.partition("=")[2] or (argv[i + 1] if i + 1 < len(argv) else "") for i, a in enumerate(argv)
-                   if a.partition("=")[0] == "--preset"), TrainConfig.preset)
-    values, sources = {**PRESETS.get(preset, {}), "preset": preset}, PRESET_SOURCES.get(preset, {})
-    print(__doc__)
-    print(f"flags, with the values of --preset {preset} (choices: {', '.join(PRESETS)}):")
-    for name, (typ, default, comment) in spec.items():
-        value = values.get(name, default)
-        source = f"  [{sources[name]}]" if name in sources else ""
-        print(f"  --{name:<24} {value!r:<32} {comment}{source}")
-
-
-def parse_args(argv):
-    """--name value / --name=value flags over a preset over the defaults. Returns (config, names given)."""
-    spec = field_help()
-    given = {}
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg in ("-h", "--help"):
-            print_help(spec, argv)
-            sys.exit(0)
-        if not arg.startswith("--"):
-            raise ValueError(f"unexpected argument {arg!r} (flags look like --name value)")
-        name, _, value = arg[2:].partition("=")
-        if name not in spec:
-            raise ValueError(f"unknown flag --{name} (see --help)")
-        if not _:
-            is_bool = spec[name][0] in (bool, "bool")
-            if i + 1 < len(argv) and not (is_bool and argv[i + 1].startswith("--")):
-                value, i = argv[i + 1], i + 1
-            elif is_bool:
-                value = "true"  # a bare boolean flag
-            else:
-                raise ValueError(f"--{name} needs a value")
-        given[name] = parse_value(name, spec[name][0], value)
-        i += 1
-    preset = given.get("preset", TrainConfig.preset)
-    if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r} (choose from {', '.join(PRESETS)})")
-    cfg = replace(TrainConfig(), **{**PRESETS[preset], **given})
-    if "warmup_steps" not in given and cfg.warmup_steps > cfg.max_steps:  # a short run of a preset: 10% warm-up
-        cfg.warmup_steps = cfg.max_steps // 10
-    return cfg, given
-
-
-DTYPES = ("auto", "fp32", "bf16", "fp16")
-# lower bounds, with the reason a smaller value cannot work
-MINIMUM = dict(seq_len=(3, "room for [CLS] and [SEP]"), batch_size=(1, ""), tokens_per_step=(1, ""),
-               max_steps=(1, ""), warmup_steps=(0, ""), log_interval=(1, ""), eval_interval=(1, ""),
-               eval_batches=(1, ""), ckpt_interval=(1, ""), weight_decay=(0, ""), grad_clip=(0, "0 = off"),
-               gen_layers=(0, "0 = the gen_shape's own"), negative_pool=(0, "0 = the micro-batch"),
-               vocab_size=(100, "5 special tokens and enough WordPiece pieces to spell words"),
-               taco_window=(2, "positives within +-W//2: W = 2 is the smallest with one offset"),
-               taco_negatives=(1, ""), taco_weight=(0, ""), cocolm_copy_weight=(0, ""), electra_disc_weight=(0, ""))
-POSITIVE = ("lr", "adam_eps", "taco_temperature", "tacl_temperature", "cocolm_scl_temperature")
-# half-open ranges (low, high, low included, high included)
-RANGES = dict(mask_prob=(0, 1, False, False), dropout=(0, 1, True, False), beta2=(0, 1, True, False),
-              cocolm_crop_fraction=(0, 1, False, True), val_fraction=(0, 0.5, False, True))
-
-
-def validate(cfg):
-    """Every flag checked once, before anything is loaded or written: a violation is a ValueError
-    naming the flag, its value and what is allowed (main() prints it as one `error:` line, exit 2)."""
-    from losses import LOSSES
-
-    def need(ok, name, allowed):
-        if not ok:
-            raise ValueError(f"--{name} {getattr(cfg, name)!r}: {allowed}")
-
-    for f in fields(cfg):
-        if isinstance(getattr(cfg, f.name), float):
-            need(math.isfinite(getattr(cfg, f.name)), f.name, "must be a finite number")
-    for name, allowed in dict(objective=LOSSES, model_size=MODEL_PRESETS, preset=PRESETS, dtype=DTYPES,
-                              taco_anchors=("all", "masked"), gen_shape=("cocolm", "electra")).items():
-        need(getattr(cfg, name) in allowed, name, "choose from " + ", ".join(allowed))
-    for name, (low, why) in MINIMUM.items():
-        need(getattr(cfg, name) >= low, name, f"must be >= {low}" + (f" ({why})" if why else ""))
-    for name in POSITIVE:
-        need(getattr(cfg, name) > 0, name, "must be > 0")
-    for name, (low, high, low_in, high_in) in RANGES.items():
-        v = getattr(cfg, name)
-        need((v >= low if low_in else v > low) and (v <= high if high_in else v < high), name,
-             f"must be in {'[(' [not low_in]}{low}, {high}{')]'[high_in]}")
-    need(cfg.warmup_steps <= cfg.max_steps, "warmup_steps", f"must be <= --max_steps {cfg.max_steps}")
-    need(cfg.objective != "tacl" or cfg.init_from or cfg.resume, "init_from",
-         "TaCL continues a trained model: pass --init_from a run dir or a Hugging Face BERT dir "
-         "(e.g. first python train.py --objective mlm --out_dir out/mlm, then --init_from out/mlm)")
-    device = re.fullmatch(r"auto|cpu|mps|cuda(?::(\d+))?", cfg.device)
-    need(device, "device", "choose from auto, cpu, cuda, cuda:N, mps")
-    need(not (device.group(1) and "RANK" in os.environ), "device",
-         "under torchrun each process takes cuda:LOCAL_RANK: pass --device cuda (or auto)")
-    if cfg.device.startswith("cuda"):
-        need(torch.cuda.is_available(), "device", "CUDA is not available on this machine (use cpu or auto)")
-        need(device.group(1) is None or int(device.group(1)) < torch.cuda.device_count(), "device",
-             f"this machine has {torch.cuda.device_count()} CUDA device(s)")
-    need(cfg.device != "mps" or torch.backends.mps.is_available(), "device", "MPS is not available on this machine")
-    for name in ("out_dir", "cache_dir"):
-        need(dir_problem(getattr(cfg, name)) is None, name, dir_problem(getattr(cfg, name)))
-    if not cfg.resume and os.path.isfile(os.path.join(cfg.out_dir, "ckpt.pt")):
-        raise ValueError(f"--out_dir {cfg.out_dir} already holds a run: pass --resume {cfg.out_dir} to continue "
-                         f"it, or choose another --out_dir")
-
-
-def dir_problem(path):
-    """Why `path` cannot be (made) a writable directory, or None."""
-    if not path.strip():
-        return "must name a directory"
-    if os.path.exists(path) and not os.path.isdir(path):
-        return "is an existing file, not a directory"
-    parent = os.path.abspath(path)
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-        return f"cannot be created or written ({parent} is not a writable directory)"
-    return None
-
-
-# what --resume may not change: the model and its vocabulary, the data order and the validation split
-FIXED_ON_RESUME = ("objective", "model_size", "seq_len", "vocab_size", "data", "tokenizer", "seed", "val_fraction")
-
-
-def resume_config(cfg, given):
-    """(config, checkpoint) of --resume: the checkpoint's config with the flags given now on top."""
-    path = os.path.join(cfg.resume, "ckpt.pt") if os.path.isdir(cfg.resume) else cfg.resume
-    if not os.path.isfile(path):
-        raise ValueError(f"--resume {cfg.resume}: no checkpoint there")
-    ckpt = load_checkpoint_file(path)
-    missing = {"model", "model_config", "objective", "optimizer", "scaler", "step", "loader", "config"} - set(ckpt)
-    unknown = set(ckpt["model_config"]) - {f.name for f in fields(BertConfig)}
-    if missing or unknown:
-        raise ValueError(f"--resume {path}: not a resumable checkpoint of this version (missing "
-                         f"{sorted(missing)}, unknown model_config keys {sorted(unknown)})")
-    run_dir = os.path.dirname(path) or "."
-    saved = TrainConfig(**{k: v for k, v in ckpt["config"].items() if k in {f.name for f in fields(TrainConfig)}})
-    for name in FIXED_ON_RESUME:
-        if name in given and given[name] != getattr(saved, name):
-            raise ValueError(f"--resume {path}: checkpoint has {name}={getattr(saved, name)!r}, flags say "
-                             f"{given[name]!r} (it would change the model, its vocabulary or the data order)")
-    if "out_dir" in given and os.path.realpath(given["out_dir"]) != os.path.realpath(run_dir):
-        raise ValueError(f"--resume continues the run in {run_dir}; --out_dir {given['out_dir']} is another "
-                         f"directory (to start a new run from its weights, use --init_from {run_dir})")
-    return replace(saved, **{**{k: v for k, v in given.items() if k != "preset"}, "out_dir": run_dir}), ckpt
+from config import parse_args, resume_config, saved_config, validate
+from model import Bert, BertConfig, MODEL_PRESETS, write_atomic
 
 
 # ---------------------------------------------------------------------------------------
@@ -500,7 +235,7 @@ def evaluate(model, objective, val_loader, cfg, device, autocast):
 def main(argv=None):
     lock = None
     try:
-        cfg, given = parse_args(sys.argv[1:] if argv is None else argv)
+        cfg, given = parse_args(sys.argv[1:] if argv is None else argv, usage=__doc__)
         ckpt = None
         if cfg.resume:
             cfg, ckpt = resume_config(cfg, given)
@@ -679,7 +414,7 @@ def train(cfg, ckpt=None):
               f"{cfg.max_steps:,} steps x {cfg.tokens_per_step:,} tokens")
         if ckpt:
             print(f"resumed from step {step} (of {cfg.max_steps}) in {cfg.out_dir}")
-            old = TrainConfig(**{k: v for k, v in ckpt["config"].items() if k in {f.name for f in fields(TrainConfig)}})
+            old = saved_config(ckpt)
             if lr_at(step, old) != lr_at(step, cfg):
                 changed = ", ".join(f"{k} {getattr(old, k)} -> {getattr(cfg, k)}" for k in ("lr", "warmup_steps", "max_steps")
                                     if getattr(old, k) != getattr(cfg, k))
