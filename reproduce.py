@@ -249,6 +249,11 @@ def fmt(value, digits=3):
         f"{value:.{digits}f}"
 
 
+def table_head(*cells):
+    """A markdown table's header and delimiter rows: the same number of columns, or it does not render."""
+    return ["| " + " | ".join(cells) + " |", "|---" * len(cells) + "|"]
+
+
 def pm(m, s, digits=1):
     return "–" if m is None else f"{m:.{digits}f} ± {s:.{digits}f}"
 
@@ -380,7 +385,7 @@ def markdown(results, pngs):
              f"per seed, then mean ± std. \"c\": some fine-tuning runs predicted one class only "
              f"(eval.py's \"collapsed\"; results.json counts them).", "",
              "## GLUE", "",
-             "| run | steps | " + " | ".join(tasks) + " | Avg |", "|---" * (len(tasks) + 3) + "|"]
+             *table_head("run", "steps", *tasks, "Avg")]
     for name, r in runs.items():
         g = r["glue"]["tasks"]
         cells = [pm(g[t]["mean"], g[t]["std"]) + " c" * bool(g[t].get("collapsed"))
@@ -394,8 +399,9 @@ def markdown(results, pngs):
               "TACO's tc_loss must fall). Seconds: the training loop's "
               "wall-clock (evaluations included); step time relative to MLM's tokens/s gives the equal-compute "
               "view.", "",
-              "| run | steps | val MLM loss | val gen loss | own metric: first → last | contextual score | tokens/s "
-              "| step time vs MLM | train s | pretrain process s | GLUE s |", "|---" * 11 + "|"]
+              *table_head("run", "steps", "val MLM loss", "val gen loss", "own metric: first → last",
+                          "contextual score", "tokens/s", "step time vs MLM", "train s", "pretrain process s",
+                          "GLUE s")]
     for name, r in runs.items():
         f, own, proc = r["final"], r["own_metric"], r.get("process_s") or {}
         own_cell = f"{own['name']}: {fmt(own['first'])} → {fmt(own['last'])}" if own["name"] else "–"
@@ -406,9 +412,10 @@ def markdown(results, pngs):
                      f"{fmt(r['step_time_vs_mlm'], 2)} | {fmt(r['train_wall_s'], 0)} | {fmt(proc.get('pretrain'), 0)} "
                      f"| {fmt(proc.get('glue'), 0)} |")
     lines += ["", "## Representations (eval.py --analysis, held-out sentences)", "",
-              "| run | intra | inter | contextual | L1 intra/inter (<1: contextual) | L2 intra/inter | cosine intra/inter "
-              "(>1: contextual) | isotropy | self-sim (last layer) | WordSim353 20 pairs cos (A.3) | WordSim353 ρ "
-              "| SimLex-999 ρ | [CLS] gap | mean-pool gap |", "|---" * 15 + "|"]
+              *table_head("run", "intra", "inter", "contextual", "L1 intra/inter (<1: contextual)", "L2 intra/inter",
+                          "cosine intra/inter (>1: contextual)", "isotropy", "self-sim (last layer)",
+                          "WordSim353 20 pairs cos (A.3)", "WordSim353 ρ", "SimLex-999 ρ", "[CLS] gap",
+                          "mean-pool gap")]
     for name, r in runs.items():
         a = r["analysis"]
         lines.append(f"| {name} | " + " | ".join(fmt(a[k]) for k in (

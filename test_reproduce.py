@@ -52,6 +52,13 @@ def test_toy_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     text = (out / "results.md").read_text()
+    tables = [[]]
+    for line in text.splitlines():
+        tables[-1].append(line) if line.startswith("|") else tables.append([])
+    tables = [t for t in tables if t]
+    assert len(tables) == 3  # GLUE, pretraining, representations
+    for t in tables:  # header, delimiter and rows with one column count, or markdown does not render the table
+        assert t[1].startswith("|---") and len({row.count("|") for row in t}) == 1, t[:2]
     runs = ["mlm", "electra", "tacl", "mlm_cont"]
     glue_rows = [line for line in text.splitlines() if line.startswith("| ") and line.split(" | ")[0][2:] in runs]
     assert sorted({row.split(" | ")[0][2:] for row in glue_rows}) == sorted(runs)
