@@ -156,7 +156,11 @@ def parse_args(argv, usage=None):
     while i < len(argv):
         arg = argv[i]
         if arg in ("-h", "--help"):
-            print_help(spec, argv, usage)
+            try:
+                print_help(spec, argv, usage)
+                sys.stdout.flush()
+            except BrokenPipeError:  # `--help | head` closed the pipe: no traceback (Python's documented fix)
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             sys.exit(0)
         if not arg.startswith("--"):
             raise ValueError(f"unexpected argument {arg!r} (flags look like --name value)")

@@ -74,6 +74,15 @@ def test_help_lists_fields_with_comments():
     assert out.returncode == 0 and "--taco_negatives" in out.stdout and "K negatives" in out.stdout
 
 
+def test_help_into_a_closed_pipe_is_quiet():
+    """`python train.py --help | head`: the reader is gone before the flags are printed; no traceback."""
+    proc = subprocess.Popen([sys.executable, "train.py", "--help"], cwd=HERE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # before train.py (which imports torch first) writes a line
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 0 and "Traceback" not in err, err
+
+
 def test_micro_batching_keeps_the_global_batch():
     tacl = config.TrainConfig(**config.PRESETS["tacl"])  # 64 x 256 tokens per process, 65,536 per step
     assert train.micro_batching(tacl, 1) == (64, 4)
