@@ -318,6 +318,19 @@ def test_resume_into_another_out_dir_and_a_busy_out_dir_are_refused(corpus, cach
     assert not (run_dir / ".lock").exists()
 
 
+def test_partial_writes_of_a_killed_save_are_removed_on_resume(corpus, cache, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert run_main(flags(corpus, cache, run_dir, max_steps=5, ckpt_interval=5), capsys)[0] == 0
+    (run_dir / "ckpt.pt.tmp").write_bytes(b"half a checkpoint")  # what a kill inside torch.save leaves
+    (run_dir / "tokenizer.json.tmp4242").write_text("{")
+    (run_dir / "notes.txt").write_text("mine")  # anything else stays
+    code, _, err = run_main(["--resume", run_dir, "--max_steps", 6], capsys)
+    assert code == 0, err
+    assert not (run_dir / "ckpt.pt.tmp").exists() and not (run_dir / "tokenizer.json.tmp4242").exists()
+    assert (run_dir / "notes.txt").read_text() == "mine"
+    assert model.load_checkpoint_file(str(run_dir / "ckpt.pt"))["step"] == 6
+
+
 def test_resume_with_another_batch_size_continues_at_the_same_sequence(corpus, cache, tmp_path, capsys,
                                                                       monkeypatch):
     """12 steps of 8 sequences in one go, or 6 steps then 6 more with --batch_size 4 (2 micro-batches):

@@ -12,6 +12,7 @@ with the chosen preset's values and where each comes from.
 import hashlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -143,6 +144,14 @@ def release_lock(lock):
     lock.close()
 
 
+def remove_partial_writes(out_dir):
+    """A run killed mid-save leaves its temporary file (ckpt.pt.tmp: over a GB for BERT-base); the
+    finished files are untouched. Called under the lock, so no other run is writing here."""
+    for name in os.listdir(out_dir):
+        if re.search(r"\.tmp\d*$", name) and os.path.isfile(os.path.join(out_dir, name)):
+            os.remove(os.path.join(out_dir, name))
+
+
 def repair_log(path):
     """A run killed mid-write leaves a partial last line in log.jsonl: drop it, so the next record
     starts on its own line."""
@@ -242,6 +251,7 @@ def main(argv=None):
         validate(cfg)
         if int(os.environ.get("RANK", 0)) == 0:
             lock = take_lock(cfg.out_dir)  # before anything is written there
+            remove_partial_writes(cfg.out_dir)
         code = train(cfg, ckpt)
     except ValueError as e:  # bad input: one clear line, exit 2, nothing saved is touched
         if int(os.environ.get("RANK", 0)) == 0:  # once, not once per DDP rank
