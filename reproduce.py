@@ -205,7 +205,7 @@ def pretrain(args, scale, name, objective, steps, extra):
     else:
         if os.path.isdir(run_dir) and not args.dry_run:  # a run killed before its first checkpoint
             shutil.rmtree(run_dir)
-        # 10% warm-up, then linear decay to 0 (the continuations pass their own after it)
+        # 10% warm-up, then linear decay to 0 (continuations too: `steps` is theirs)
         cmd = [args.python, "train.py", "--objective", objective, *scale["train"], "--max_steps", str(steps),
                "--warmup_steps", str(max(1, steps // 10)), "--seed", str(args.seed), "--cache_dir", args.cache_dir,
                "--out_dir", run_dir, *extra]
@@ -509,9 +509,8 @@ def main(argv=None):
             if name in CONTINUED:
                 if not os.path.isfile(os.path.join(args.out_dir, "mlm", "config.json")) and not args.dry_run:
                     sys.exit(f"error: {name} continues from the mlm run, which is not there: pretrain it first")
-                # the same continuation recipe for TaCL and its control: fresh optimizer, warm-up, lr
-                extra = ["--init_from", os.path.join(args.out_dir, "mlm"), "--lr", str(scale["continue_lr"]),
-                         "--warmup_steps", str(max(1, extra_steps // 10))]
+                # the same continuation recipe for TaCL and its control: fresh optimizer, lr, 10% warm-up (pretrain's)
+                extra = ["--init_from", os.path.join(args.out_dir, "mlm"), "--lr", str(scale["continue_lr"])]
                 pretrain(args, scale, name, CONTINUED[name], extra_steps, extra)
     if "glue" in stages:
         for name in selected:
