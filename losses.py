@@ -150,6 +150,21 @@ def binary_entropy(p):
     return -(p * p.log() + (1 - p) * (1 - p).log())
 
 
+def auc(logits, targets, mask):
+    """ROC AUC of a detector over the masked-in positions (Mann-Whitney: the chance that a random
+    positive scores above a random negative; ties count 1/2), as the official ELECTRA logs disc_auc.
+    Unlike accuracy it sees a detector that ranks well but never crosses 0.5. NaN without both classes."""
+    scores, labels = upcast(logits[mask]).double(), targets[mask]
+    sorted_scores, order = scores.sort()
+    _, inverse, counts = torch.unique_consecutive(sorted_scores, return_inverse=True, return_counts=True)
+    mean_rank = counts.cumsum(0).to(scores.dtype) - (counts - 1) / 2  # 1-based; tied scores share their mean rank
+    ranks = torch.empty_like(scores)
+    ranks[order] = mean_rank[inverse]
+    n_pos = labels.sum().to(scores.dtype)
+    n_neg = len(scores) - n_pos
+    return ((ranks[labels].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)).float()
+
+
 def pool_size(negative_pool, batch_size):
     """Rows that share one pool of negatives (TACO) or one NT-Xent batch (COCO-LM's SCL): groups of
     negative_pool consecutive rows of the per-process micro-batch; 0 = the whole micro-batch (the official
@@ -550,6 +565,8 @@ class COCOLM(nn.Module):
                        replaced_frac=masked_mean(~original_at_m, masked).detach(),
                        copy_acc=masked_mean((copy_logit > 0) == is_original, valid).detach(),
                        copy_trivial=binary_entropy(masked_mean(~is_original, valid)).detach())
+        if not self.training:  # held-out only: a sort of B*T scores
+            metrics["copy_auc"] = auc(-copy_logit.detach(), ~is_original, valid)  # replaced = positive, as ELECTRA
         return loss, metrics
 
 
@@ -586,6 +603,8 @@ class ELECTRA(nn.Module):
                        disc_acc=masked_mean((disc_logit > 0) == replaced, valid).detach(),
                        disc_trivial=binary_entropy(masked_mean(replaced, valid)).detach(),
                        replaced_frac=masked_mean(replaced.gather(1, positions), labels != -100).detach())
+        if not self.training:  # held-out only: a sort of B*T scores
+            metrics["disc_auc"] = auc(disc_logit.detach(), replaced, valid)
         return gen_loss + self.disc_weight * disc_loss, metrics
 
 

@@ -16,6 +16,8 @@ from losses import (LOSSES, NegativeDots, corrective_lm_loss, crop_views, genera
                     random_real_tokens, sample_tokens, taco_samples)
 from model import MODEL_PRESETS, Bert, BertConfig
 
+AUC = losses.auc  # the real one, kept before a test patches it
+
 PAD, UNK, CLS, SEP, MASK = 0, 1, 2, 3, 4
 TINY = dict(vocab_size=50, hidden_size=16, num_layers=2, num_heads=2, intermediate_size=32,
             max_position_embeddings=32, dropout=0.0)
@@ -814,3 +816,33 @@ def test_detector_trivial_baseline_is_the_entropy_of_the_replaced_rate():
     constant = [F.binary_cross_entropy(q.clamp(1e-6, 1 - 1e-6).expand(1000), (torch.arange(1000) < 1000 * q).float())
                 for q in p]
     assert torch.allclose(losses.binary_entropy(p), torch.stack(constant), atol=1e-4)
+
+
+def test_auc_matches_the_pairwise_definition():
+    # AUC = P(score of a random positive > score of a random negative), ties 1/2: every pair, counted slowly
+    g = seeded(3)
+    scores = (torch.randn(3, 40, generator=g) * 2).round() / 2  # coarse values: many ties
+    targets, mask = torch.rand(3, 40, generator=g) < 0.2, torch.rand(3, 40, generator=g) < 0.9
+    pos = [float(s) for s, t, m in zip(scores.flatten(), targets.flatten(), mask.flatten()) if m and t]
+    neg = [float(s) for s, t, m in zip(scores.flatten(), targets.flatten(), mask.flatten()) if m and not t]
+    pairs = [1.0 if p > n else 0.5 if p == n else 0.0 for p in pos for n in neg]
+    assert abs(losses.auc(scores, targets, mask).item() - sum(pairs) / len(pairs)) < 1e-6
+    assert losses.auc(targets.float(), targets, mask).item() == 1.0  # a perfect ranking
+    assert losses.auc(torch.zeros(3, 40), targets, mask).item() == 0.5  # a constant detector
+
+
+@pytest.mark.parametrize("name,key,acc", [("electra", "disc_auc", "disc_acc"), ("cocolm", "copy_auc", "copy_acc")])
+def test_detector_auc_is_held_out_only_and_scores_replaced_as_positive(monkeypatch, name, key, acc):
+    model = tiny_model()
+    objective = build(name, model)
+    assert key not in objective(model, make_batch(), seeded())[1]  # training steps skip the sort
+    objective.eval()
+    seen = []
+    monkeypatch.setattr(losses, "auc", lambda *args: seen.append(args) or AUC(*args))
+    metrics = objective(model, make_batch(), seeded())[1]
+    logits, targets, mask = seen[0]
+    assert 0 <= metrics[key] <= 1 and metrics[key] == AUC(*seen[0])
+    # orientation: a positive score means "replaced" (ELECTRA's disc logit, minus COCO-LM's copy logit),
+    # so thresholding it at 0 gives the logged detector accuracy, not 1 minus it
+    assert torch.allclose(((logits > 0) == targets)[mask].float().mean(), metrics[acc])
+    assert abs(metrics[acc] - 0.5) > 1e-3  # else both orientations would pass
