@@ -82,6 +82,8 @@ OWN_METRIC = {"mlm": "val_mlm_acc", "taco": "val_tc_loss", "tacl": "val_tacl_acc
               "cocolm": "val_copy_loss", "electra": "val_disc_loss"}
 # a detector's loss is judged against a constant predictor of the replaced rate (losses.binary_entropy)
 OWN_BASELINE = {"cocolm": "val_copy_trivial", "electra": "val_disc_trivial"}
+# ...and by its ranking of replaced over original tokens: ROC AUC, 0.5 = chance (losses.auc)
+OWN_AUC = {"cocolm": "val_copy_auc", "electra": "val_disc_auc"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -291,7 +293,7 @@ def collect(args, runs):
         r["final"] = {k: v for k, v in last.items() if k != "step"}
         own = OWN_METRIC.get(name)
         r["own_metric"] = dict(name=own, first=first.get(own), last=last.get(own),
-                               baseline=last.get(OWN_BASELINE.get(name)))
+                               baseline=last.get(OWN_BASELINE.get(name)), auc=last.get(OWN_AUC.get(name)))
         # GLUE: per task the primary metric per seed, mean and spread; the average per seed
         report = read_json(os.path.join(run_dir, "glue.json")) or {}
         tasks = {}
@@ -404,7 +406,7 @@ def markdown(results, pngs):
               "MLM loss: the main model's (MLM, TACO, TaCL); ELECTRA and COCO-LM train no MLM head on the main "
               "model, so theirs is the generator's, not comparable. \"Own metric\" is the objective's own "
               "held-out number at step 0 → the last step (ELECTRA's disc and COCO-LM's copy loss must end below "
-              "the trivial BCE of predicting the replaced rate, shown in brackets; TaCL accuracy must rise; "
+              "the trivial BCE of predicting the replaced rate, shown in brackets, and their AUC of replaced over original tokens must exceed chance, 0.5; TaCL accuracy must rise; "
               "TACO's tc_loss must fall). Seconds: the training loop's "
               "wall-clock (evaluations included); step time relative to MLM's tokens/s gives the equal-compute "
               "view.", "",
@@ -416,6 +418,8 @@ def markdown(results, pngs):
         own_cell = f"{own['name']}: {fmt(own['first'])} → {fmt(own['last'])}" if own["name"] else "–"
         if own.get("baseline") is not None:
             own_cell += f" (trivial {fmt(own['baseline'])})"
+        if own.get("auc") is not None:
+            own_cell += f", AUC {fmt(own['auc'])}"
         lines.append(f"| {name} | {r['steps']} | {fmt(f.get('val_mlm_loss'))} | {fmt(f.get('val_gen_loss'))} | "
                      f"{own_cell} | {fmt(f.get('contextual_score'))} | {fmt(r['tokens_per_s'], 0)} | "
                      f"{fmt(r['step_time_vs_mlm'], 2)} | {fmt(r['train_wall_s'], 0)} | {fmt(proc.get('pretrain'), 0)} "

@@ -74,6 +74,9 @@ def test_toy_end_to_end(tmp_path):
         assert finite(r["tokens_per_s"]) and r["tokens_per_s"] > 0 and finite(r["train_wall_s"]), name
         assert finite(r["final"]["val_gen_loss" if name == "electra" else "val_mlm_loss"]), name
         assert finite(r["own_metric"]["first"]) and finite(r["own_metric"]["last"]), name
+        if name == "electra":  # a detector is also judged by its AUC, in results.json and the table
+            assert 0 <= r["own_metric"]["auc"] <= 1
+            assert f"AUC {r['own_metric']['auc']:.3f}" in next(row for row in text.splitlines() if "disc_loss" in row)
         assert finite(r["analysis"]["contextual"]), name
         assert len(r["curves"]) >= 2
     # the continuations start from the mlm run, on the same recipe
