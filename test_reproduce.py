@@ -132,3 +132,15 @@ def test_scale_flags_are_a_valid_run(scale, objective):
     assert batch_size * cfg.seq_len * accum == cfg.tokens_per_step
     if objective in ("taco", "cocolm") and cfg.negative_pool:
         assert batch_size % cfg.negative_pool == 0
+
+
+@pytest.mark.parametrize("encoder", ["bert", "window"])
+def test_detector_diagnostic_runs(tmp_path, encoder):
+    # results/detector/diagnostic.py backs the README's "Does each objective learn?": it must keep running
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "results", "detector", "diagnostic.py"), "--encoder", encoder,
+                           "--steps", "2", "--batch_size", "4", "--seq_len", "32"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [r["step"] for r in rows] == [0, 2]
+    assert all(0 <= r["auc"] <= 1 and 0.3 < r["trivial"] < 0.5 and -1 <= r["cos"] <= 1 for r in rows)
