@@ -1,5 +1,6 @@
 """reproduce.py: the toy scale end to end (pretrain, continue, GLUE, analysis, report) on a tiny
 synthetic corpus and tiny synthetic GLUE TSVs; stages are skipped when done; log parsing."""
+import importlib.util
 import json
 import math
 import os
@@ -8,8 +9,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import reproduce
+from model import Bert, BertConfig
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORDS = ("the a one some every cat dog bird fish child teacher river city house road garden song book "
@@ -144,3 +147,20 @@ def test_detector_diagnostic_runs(tmp_path, encoder):
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert [r["step"] for r in rows] == [0, 2]
     assert all(0 <= r["auc"] <= 1 and 0.3 < r["trivial"] < 0.5 and -1 <= r["cos"] <= 1 for r in rows)
+
+
+def test_detector_diagnostic_attention_weights_are_the_models():
+    # the weights the diagnostic reads, applied to the values, give the model's own (SDPA) attention
+    spec = importlib.util.spec_from_file_location("diagnostic", os.path.join(HERE, "results", "detector", "diagnostic.py"))
+    diagnostic = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(diagnostic)
+    torch.manual_seed(0)
+    model = Bert(BertConfig(vocab_size=100, dropout=0.0, num_layers=2, hidden_size=32, num_heads=4,
+                            intermediate_size=64)).eval()
+    h = torch.randn(2, 9, 32)
+    attn = model.encoder.layers[0].attn
+    a = diagnostic.attention_weights(attn, h)
+    v = attn.qkv(h).split(32, 2)[2].view(2, 9, 4, 8).transpose(1, 2)
+    assert torch.allclose(attn.proj((a @ v).transpose(1, 2).reshape(2, 9, 32)), attn(h), atol=1e-6)
+    rows = diagnostic.neighbour_attention(model, torch.randint(5, 100, (2, 9)))
+    assert len(rows) == 2 and all(0 < r["self"] < 1 and r["uniform"] == 1 / 9 for r in rows)

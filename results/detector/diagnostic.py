@@ -12,6 +12,7 @@ token states (near 1: they have collapsed to one vector).
 
     python results/detector/diagnostic.py --encoder window --data AA.txt.xz --steps 1000
     python results/detector/diagnostic.py --init out/mlm --data AA.txt.xz --lr 1e-4 --prior_bias
+    python results/detector/diagnostic.py --init out/mlm --data AA.txt.xz --attention   # where its attention looks
 """
 import argparse
 import json
@@ -80,6 +81,27 @@ def blocks(tokens, n, T, cls_id, gen, rate):
     return y, y != x  # a draw equal to the original counts as original, as in ELECTRA
 
 
+def attention_weights(attn, h):
+    """softmax(q k^T / sqrt(d)) of a model.SelfAttention on h (B, T, D), unmasked: (B, heads, T, T)."""
+    B, T, D = h.shape
+    q, k, _ = attn.qkv(h).split(D, 2)
+    q, k = (t.view(B, T, attn.num_heads, -1).transpose(1, 2) for t in (q, k))
+    return (q @ k.transpose(-1, -2) / math.sqrt(q.size(-1))).softmax(-1)
+
+
+def neighbour_attention(model, x):
+    """Per layer, the mean attention weight a token puts on itself and on its two neighbours
+    (averaged over heads and blocks; uniform attention gives 1/T to each)."""
+    h, T, rows = model.embeddings(x), x.size(1), []
+    i = torch.arange(1, T - 1)
+    for layer in model.encoder.layers:
+        a = attention_weights(layer.attn, h)
+        rows.append(dict(previous=a[..., i, i - 1].mean().item(), self=a[..., i, i].mean().item(),
+                         next=a[..., i, i + 1].mean().item(), uniform=1 / T))
+        h = layer(h)
+    return rows
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--encoder", choices=("bert", "hf", "window"), default="bert")
@@ -94,11 +116,19 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--init", default="", help="start the bert encoder from this train.py run directory")
+    p.add_argument("--attention", action="store_true", help="with --init: print its attention on neighbours, then exit")
     p.add_argument("--prior_bias", action="store_true", help="head bias starts at the log-odds of --rate")
     a = p.parse_args()
     tok, train, val = prepare_data(a.data, tokenizer=a.init or None, vocab_size=8192)
     cls_id, V = special_token_ids(tok)["cls"], tok.get_vocab_size()
     torch.manual_seed(a.seed)
+    if a.attention:
+        model = Bert.from_pretrained(a.init).eval()
+        x, _ = blocks(val, a.batch_size, a.seq_len, cls_id, torch.Generator().manual_seed(1234), 0.0)
+        with torch.no_grad():
+            for layer, row in enumerate(neighbour_attention(model, x)):
+                print(json.dumps(dict(layer=layer, **{k: round(v, 4) for k, v in row.items()})))
+        return
     model = encoder(a.encoder, V, a.size, a.dropout, a.init)
     D = model.config.hidden_size if a.init else MODEL_PRESETS[a.size]["hidden_size"]
     head = nn.Sequential(nn.Linear(D, D), nn.GELU(), nn.Linear(D, 1))
