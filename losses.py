@@ -153,7 +153,8 @@ def binary_entropy(p):
 def auc(logits, targets, mask):
     """ROC AUC of a detector over the masked-in positions (Mann-Whitney: the chance that a random
     positive scores above a random negative; ties count 1/2), as the official ELECTRA logs disc_auc.
-    Unlike accuracy it sees a detector that ranks well but never crosses 0.5. NaN without both classes."""
+    Unlike accuracy it sees a detector that ranks well but never crosses 0.5. NaN without both classes.
+    Under bf16 autocast the head's logits arrive rounded, so near-equal scores become ties."""
     scores, labels = upcast(logits[mask]).double(), targets[mask]
     sorted_scores, order = scores.sort()
     _, inverse, counts = torch.unique_consecutive(sorted_scores, return_inverse=True, return_counts=True)
@@ -566,7 +567,10 @@ class COCOLM(nn.Module):
                        copy_acc=masked_mean((copy_logit > 0) == is_original, valid).detach(),
                        copy_trivial=binary_entropy(masked_mean(~is_original, valid)).detach())
         if not self.training:  # held-out only: a sort of B*T scores
-            metrics["copy_auc"] = auc(-copy_logit.detach(), ~is_original, valid)  # replaced = positive, as ELECTRA
+            # replaced = positive, as ELECTRA; over the maskable tokens ([CLS]/[SEP] are never replaced:
+            # the official disc_auc counts them, which credits a detector for knowing that alone)
+            maskable = eligible_positions(x, model.config, attention_mask)
+            metrics["copy_auc"] = auc(-copy_logit.detach(), ~is_original, maskable)
         return loss, metrics
 
 
@@ -604,7 +608,9 @@ class ELECTRA(nn.Module):
                        disc_trivial=binary_entropy(masked_mean(replaced, valid)).detach(),
                        replaced_frac=masked_mean(replaced.gather(1, positions), labels != -100).detach())
         if not self.training:  # held-out only: a sort of B*T scores
-            metrics["disc_auc"] = auc(disc_logit.detach(), replaced, valid)
+            # over the maskable tokens, as copy_auc ([CLS]/[SEP] are never replaced)
+            maskable = eligible_positions(x, model.config, attention_mask)
+            metrics["disc_auc"] = auc(disc_logit.detach(), replaced, maskable)
         return gen_loss + self.disc_weight * disc_loss, metrics
 
 
