@@ -8,6 +8,7 @@ import random
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -149,11 +150,16 @@ def test_detector_diagnostic_runs(tmp_path, encoder):
     assert all(0 <= r["auc"] <= 1 and 0.3 < r["trivial"] < 0.5 and -1 <= r["cos"] <= 1 for r in rows)
 
 
-def test_detector_diagnostic_attention_weights_are_the_models():
-    # the weights the diagnostic reads, applied to the values, give the model's own (SDPA) attention
+def load_diagnostic():
     spec = importlib.util.spec_from_file_location("diagnostic", os.path.join(HERE, "results", "detector", "diagnostic.py"))
     diagnostic = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(diagnostic)
+    return diagnostic
+
+
+def test_detector_diagnostic_attention_weights_are_the_models():
+    # the weights the diagnostic reads, applied to the values, give the model's own (SDPA) attention
+    diagnostic = load_diagnostic()
     torch.manual_seed(0)
     model = Bert(BertConfig(vocab_size=100, dropout=0.0, num_layers=2, hidden_size=32, num_heads=4,
                             intermediate_size=64)).eval()
@@ -164,3 +170,18 @@ def test_detector_diagnostic_attention_weights_are_the_models():
     assert torch.allclose(attn.proj((a @ v).transpose(1, 2).reshape(2, 9, 32)), attn(h), atol=1e-6)
     rows = diagnostic.neighbour_attention(model, torch.randint(5, 100, (2, 9)))
     assert len(rows) == 2 and all(0 < r["self"] < 1 and r["uniform"] == 1 / 9 for r in rows)
+
+
+def test_detector_diagnostic_blocks_draw_replacements_from_the_batch():
+    diagnostic = load_diagnostic()
+    stream = np.arange(10, 1010, dtype=np.uint16)  # every token distinct: a replacement is visible
+    y, replaced = diagnostic.blocks(stream, 64, 32, 2, torch.Generator().manual_seed(0), 0.15)
+    # unreplaced positions hold start + t: each block's start is the most common y[t] - t
+    starts = torch.stack([torch.mode(row - torch.arange(32)).values for row in y])
+    original = starts[:, None] + torch.arange(32)
+    original[:, 0] = 2
+    assert torch.equal(replaced, y != original)  # "replaced" is exactly where the token changed
+    assert (y[:, 0] == 2).all() and not replaced[:, 0].any()  # [CLS] first, never replaced
+    assert 0.12 < replaced.float().mean() < 0.18  # about 15%, less the draws that hit the original
+    pool = set(original[:, 1:].flatten().tolist())
+    assert set(y[replaced].tolist()) <= pool  # every replacement is a token of the batch (no [CLS])

@@ -3,12 +3,14 @@
 A detector trained alone, with no generator: 15% of the tokens of each block are replaced by tokens
 drawn from the batch itself, so a replacement is as frequent as the token it replaces (token identity
 tells nothing) and only context can give it away. Three encoders under ELECTRA's head
-(dense -> GELU -> linear(1)), the same AdamW, warm-up and linear decay:
+(dense -> GELU -> linear(1)), trained alike: AdamW (betas 0.9/0.98, eps 1e-6, weight decay 0.01 on
+every parameter), lr * min(1, (step+1)/warmup) * (1 - step/steps), clipping at 1.0:
   bert    this project's model.Bert (--size tiny: 2 layers x 128, as the smoke preset)
   hf      transformers' BertModel, same size and initialisation
   window  an MLP over each token's embedding and its two neighbours' (no attention, no depth)
-Prints, every 100 steps on fixed held-out blocks: BCE, the trivial BCE, AUC, the mean cosine between
-token states (near 1: they have collapsed to one vector).
+--init RUN_DIR starts the bert encoder from a train.py run instead. Prints, every 100 steps on fixed
+held-out blocks (never-replaced [CLS] left out): BCE, the trivial BCE, AUC, the mean cosine between
+the token states of one held-out batch (every pair, itself included; near 1: collapsed to one vector).
 
     python results/detector/diagnostic.py --encoder window --data AA.txt.xz --steps 1000
     python results/detector/diagnostic.py --init out/mlm --data AA.txt.xz --lr 1e-4 --prior_bias
@@ -119,6 +121,10 @@ def main():
     p.add_argument("--attention", action="store_true", help="with --init: print its attention on neighbours, then exit")
     p.add_argument("--prior_bias", action="store_true", help="head bias starts at the log-odds of --rate")
     a = p.parse_args()
+    if a.attention and not a.init:
+        p.error("--attention reads a trained run: give it --init RUN_DIR")
+    if a.init and a.encoder != "bert":
+        p.error("--init starts the bert encoder from a run: it does not go with --encoder " + a.encoder)
     tok, train, val = prepare_data(a.data, tokenizer=a.init or None, vocab_size=8192)
     cls_id, V = special_token_ids(tok)["cls"], tok.get_vocab_size()
     torch.manual_seed(a.seed)
