@@ -406,7 +406,8 @@ def markdown(results, pngs):
               "MLM loss: the main model's (MLM, TACO, TaCL); ELECTRA and COCO-LM train no MLM head on the main "
               "model, so theirs is the generator's, not comparable. \"Own metric\" is the objective's own "
               "held-out number at step 0 → the last step (ELECTRA's disc and COCO-LM's copy loss must end below "
-              "the trivial BCE of predicting the replaced rate, shown in brackets, and their AUC of replaced over original tokens must exceed chance, 0.5; TaCL accuracy must rise; "
+              "the trivial BCE of predicting the replaced rate, shown in brackets, and their AUC of replaced over "
+              "original tokens must exceed chance, 0.5; TaCL accuracy must rise; "
               "TACO's tc_loss must fall). Seconds: the training loop's "
               "wall-clock (evaluations included); step time relative to MLM's tokens/s gives the equal-compute "
               "view.", "",

@@ -138,10 +138,13 @@ def test_scale_flags_are_a_valid_run(scale, objective):
         assert batch_size % cfg.negative_pool == 0
 
 
+DIAGNOSTIC = os.path.join(HERE, "results", "detector", "diagnostic.py")
+
+
 @pytest.mark.parametrize("encoder", ["bert", "window"])
 def test_detector_diagnostic_runs(tmp_path, encoder):
     # results/detector/diagnostic.py backs the README's "Does each objective learn?": it must keep running
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "results", "detector", "diagnostic.py"), "--encoder", encoder,
+    proc = subprocess.run([sys.executable, DIAGNOSTIC, "--encoder", encoder,
                            "--steps", "2", "--batch_size", "4", "--seq_len", "32"],
                           capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -151,7 +154,7 @@ def test_detector_diagnostic_runs(tmp_path, encoder):
 
 
 def load_diagnostic():
-    spec = importlib.util.spec_from_file_location("diagnostic", os.path.join(HERE, "results", "detector", "diagnostic.py"))
+    spec = importlib.util.spec_from_file_location("diagnostic", DIAGNOSTIC)
     diagnostic = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(diagnostic)
     return diagnostic
