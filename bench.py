@@ -271,7 +271,8 @@ def bench(name, size, args, device):
     # one cfg for the step and its FLOPs count (taco_negatives, gen_shape and dropout change both)
     cfg = replace(TrainConfig(), objective="mlm" if name == "hf-mlm" else name, seq_len=args.seq_len,
                   batch_size=args.batch_size, init_from="random weights", dropout=args.dropout,
-                  taco_negatives=args.taco_negatives, gen_shape=args.gen_shape)
+                  taco_negatives=args.taco_negatives, gen_shape=args.gen_shape,
+                  compile=bool(args.compile))  # TACO's fused negative scoring follows --compile
     if name == "hf-mlm":
         step, params = build_hf(config, args, device, autocast)
     else:

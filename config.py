@@ -64,7 +64,7 @@ class TrainConfig:
     # system
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
     dtype: str = "auto"  # auto (bf16 on GPUs that have it, else fp16 with a GradScaler; fp32 on CPU) | fp32 | bf16 | fp16
-    compile: bool = True  # torch.compile the model (CUDA only; CPU runs stay eager)
+    compile: bool = True  # torch.compile the encoder and TACO's negative scoring (CUDA only)
     seed: int = 1337  # model init, data order and every random draw of the objectives
     # logging, evaluation, checkpoints
     out_dir: str = "out/smoke"  # checkpoint, Hugging Face export, tokenizer and log.jsonl go here

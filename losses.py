@@ -16,6 +16,7 @@ has a comment line here and an entry in the README's "Fidelity notes".
   sees a new shape and metrics stay on the device until train.py logs them.
 """
 import copy
+import functools
 import math
 from dataclasses import replace
 
@@ -244,21 +245,32 @@ def gather_dot(anchor, targets, index):
     return torch.einsum("btd,btkd->btk", anchor, upcast(targets[index]))
 
 
+@functools.cache
+def fused_gather_dot():
+    """gather_dot as one compiled kernel (CUDA, --compile): each negative is read from `targets` (bf16 under
+    autocast: 32 MB at b256 s128 on BERT-small, which fits an H100's L2) and summed in fp32, never written
+    out. Built on first use: importing the compiler costs seconds, and CPU runs stay eager."""
+    return torch.compile(lambda anchor, targets, index: (anchor[:, :, None, :] * upcast(targets[index])).sum(-1),
+                         dynamic=False)
+
+
 NEGATIVE_CHUNK_FLOATS = 2 ** 20  # 4 MB of fp32 per chunk of gathered negatives: stays in cache
 
 
 class NegativeDots(torch.autograd.Function):
     """gather_dot for all K negatives without a (B, T, K, D) tensor: 3.4 GB in fp32 at b256 s128 on
-    BERT-small with K = 50, which autograd kept for backward. Forward: K in chunks of at most
-    NEGATIVE_CHUNK_FLOATS gathered floats (3-4x faster than one gather on CPU). Backward: the anchor's
-    gradient sum_k grad_k targets[n_k] is a weighted embedding bag; the targets' (taco_stop_grad=False
-    only) an index_add per chunk. Same values and gradients as gather_dot (test_losses.py)."""
+    BERT-small with K = 50, which autograd kept for backward. Forward: fused_gather_dot if `fused`, else
+    K in chunks of at most NEGATIVE_CHUNK_FLOATS gathered floats (3-4x faster than one gather on CPU).
+    Backward: the anchor's gradient sum_k grad_k targets[n_k] is a weighted embedding bag; the targets'
+    (taco_stop_grad=False only) an index_add per chunk. Same values and gradients as gather_dot (test_losses.py)."""
 
     @staticmethod
-    def forward(ctx, anchor, targets, negatives):
+    def forward(ctx, anchor, targets, negatives, fused=False):
         B, T, D = anchor.shape
         ctx.chunk = max(1, NEGATIVE_CHUNK_FLOATS // (B * T * D))
         ctx.save_for_backward(anchor, targets, negatives)
+        if fused:
+            return fused_gather_dot()(anchor, targets, negatives)
         return torch.cat([gather_dot(anchor, targets, index) for index in negatives.split(ctx.chunk, -1)], -1)
 
     @staticmethod
@@ -274,7 +286,7 @@ class NegativeDots(torch.autograd.Function):
             for index, g in zip(negatives.split(ctx.chunk, -1), grad.split(ctx.chunk, -1)):
                 grad_targets.index_add_(0, index.flatten(), (g[..., None] * anchor[:, :, None]).reshape(-1, D))
             grad_targets = grad_targets.to(targets.dtype)
-        return grad_anchor, grad_targets, None
+        return grad_anchor, grad_targets, None, None
 
 
 class TACO(nn.Module):
@@ -301,6 +313,7 @@ class TACO(nn.Module):
         self.anchors = getattr(cfg, "taco_anchors", "all")
         self.stop_grad = getattr(cfg, "taco_stop_grad", True)
         self.negative_pool = getattr(cfg, "negative_pool", 0)
+        self.fused_scoring = getattr(cfg, "compile", False)  # on CUDA only, as train.py's compile
         if self.anchors not in ("all", "masked"):
             raise ValueError(f"taco_anchors must be 'all' or 'masked', got {self.anchors!r}")
 
@@ -328,7 +341,7 @@ class TACO(nn.Module):
         with torch.autocast(x.device.type, enabled=False):  # fp32: bf16 cosines / tau lose ~2 digits
             g = upcast(g)
             pos_cos = (g * upcast(targets[positive])).sum(-1)  # (B, T)
-            neg_cos = NegativeDots.apply(g, targets, negatives)  # (B, T, K)
+            neg_cos = NegativeDots.apply(g, targets, negatives, self.fused_scoring and g.is_cuda)  # (B, T, K)
             # InfoNCE with the positive at index 0
             logits = torch.cat([pos_cos[..., None], neg_cos], dim=-1) / self.temperature
             tc_loss = masked_mean(torch.logsumexp(logits, -1) - logits[..., 0], anchors)

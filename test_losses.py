@@ -306,7 +306,7 @@ def test_negative_pool_must_divide_the_batch():
         LOSSES["cocolm"](model, make_cfg(negative_pool=3))(model, make_batch(B=4), seeded())
 
 
-def dense_negative_dots(anchor, targets, negatives):
+def dense_negative_dots(anchor, targets, negatives, fused=False):
     """The readable version: gather every negative vector at once, (B, T, K, D) floats, kept for backward."""
     return torch.einsum("btd,btkd->btk", anchor, losses.upcast(targets[negatives]))
 
@@ -333,6 +333,27 @@ def test_negative_dots_match_the_dense_gather(monkeypatch, chunk, dtype):
     # the targets' own gradient has their dtype: chunks add up in bf16, within bf16 rounding
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     assert torch.allclose(targets_grad.float(), ref_targets_grad.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_fused_negative_dots_match_the_dense_gather(dtype):
+    """The compiled kernel TACO scores its negatives with on CUDA, compiled here for the CPU: the same scores
+    and gradients as the readable gather, accumulated in fp32 (float64 stays float64)."""
+    torch.manual_seed(0)
+    B, T, K, D = 3, 5, 7, 8
+    anchor = losses.upcast(torch.randn(B, T, D, dtype=dtype)).requires_grad_()
+    targets, negatives = torch.randn(B * T, D, dtype=dtype), torch.randint(B * T, (B, T, K))
+    weights = torch.randn(B, T, K)
+    results = []
+    for fn in (lambda *args: NegativeDots.apply(*args, True), dense_negative_dots):
+        anchor.grad = None
+        scores = fn(anchor, targets, negatives)
+        (scores * weights.to(scores.dtype)).sum().backward()
+        results.append((scores.detach(), anchor.grad.clone()))
+    (scores, anchor_grad), (ref_scores, ref_anchor_grad) = results
+    assert scores.dtype == anchor.dtype and not torch.equal(scores, torch.zeros_like(scores))
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    assert torch.allclose(scores, ref_scores, atol=tol) and torch.allclose(anchor_grad, ref_anchor_grad, atol=tol)
 
 
 def test_negative_dots_keep_no_gathered_tensor_for_backward():

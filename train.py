@@ -391,7 +391,8 @@ def train(cfg, ckpt=None):
     # compile the encoder's forward (fixed shapes, so never a recompile): +28% tokens/s measured on an
     # H100 (README, Efficiency notes). Compiling the whole step graph-breaks at every seeded random
     # draw and is unmeasured on GPU (bench.py --compile 2). The compiled wrapper shares the raw
-    # model's weights: saving and evaluation use the raw one.
+    # model's weights: saving and evaluation use the raw one. TACO compiles its negative scoring itself
+    # under the same flag (losses.fused_gather_dot).
     compiled = torch.compile(model, dynamic=False) if cfg.compile and device_type == "cuda" else model
     trainer = Pretrainer(compiled, objective)
     if ddp:
