@@ -884,3 +884,19 @@ def test_detector_auc_is_held_out_only_and_scores_replaced_as_positive(monkeypat
     # so thresholding it at 0 gives the logged detector accuracy, not 1 minus it
     assert torch.allclose(((logits > 0) == targets).float().mean(), metrics[acc])  # unpadded: acc is over all
     assert abs(metrics[acc] - 0.5) > 1e-3  # else both orientations would pass
+
+
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_a_training_forward_has_no_host_sync(name):
+    """The README's "no host-device sync inside the step": traced whole by torch._dynamo, each objective's
+    training forward breaks only at its seeded torch.Generator draws, never at a .item(), a shape that
+    depends on the data or a Python branch on a tensor (each of those would wait for the GPU)."""
+    import linecache
+    model = tiny_model(double=False)
+    objective = build(name, model, double=False, taco_negatives=7)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(lambda batch, gen: objective(model, batch, gen))(make_batch(**PADDED), seeded())
+    assert explained.graph_count >= 1
+    for reason in explained.break_reasons:
+        frame = reason.user_stack[-1]
+        assert "generator=" in linecache.getline(frame.filename, frame.lineno), (frame, reason.reason)
