@@ -22,8 +22,8 @@ the selected positions only). Differences, each in Hugging Face's favour or neut
   inside the timed step, on the device;
 - no attention_mask is passed to either: packed blocks have no padding (an all-ones mask would
   keep Hugging Face off SDPA's flash kernel once compiled);
-- --compile 1 compiles our encoder only (train.py's choice) but Hugging Face's whole model, loss
-  included (what Trainer's torch_compile does); --compile 0 runs both eagerly.
+- --compile 1 compiles our encoder (and TACO's negative scoring: train.py's choice) but Hugging
+  Face's whole model, loss included (what Trainer's torch_compile does); --compile 0 runs both eagerly.
 MFU counts the same model FLOPs for both (objective_flops_per_token("mlm"): the MLM head on the
 selected 15% only), so the MFU ratio equals the tokens/s ratio. "vs mlm" is the step time relative
 to our MLM step at the same size. transformers is needed for --hf only.
@@ -122,7 +122,7 @@ def build_ours(cfg, config, args, device, autocast):
     model = Bert(config).to(device)
     loss_fn = LOSSES[cfg.objective](model, cfg).to(device)
     params = list(model.parameters()) + [p for p in loss_fn.parameters() if p.requires_grad]
-    if args.compile == 1:  # the encoder only; sampling, heads and losses run eagerly
+    if args.compile == 1:  # the encoder (and TACO's fused_gather_dot); sampling, heads and losses run eagerly
         trainer = Pretrainer(torch.compile(model, dynamic=False), loss_fn)
     else:  # 2: the whole step (graph breaks at each seeded random draw), or 0: eager
         trainer = Pretrainer(model, loss_fn)
