@@ -571,7 +571,7 @@ def test_tacl_requires_init_from():
 
 
 def replay_generator(objective, model, x, am, seed, mask_frac, random_frac):
-    """Re-run the generator's draws: masking, generator logits, sampled tokens. A second generator forward,
+    """Re-run the generator's draws: masking, generator logits, Gumbel samples. A second generator forward,
     as the two-forward version did at dropout 0 (ELECTRA now samples from its one training forward)."""
     gen = seeded(seed)
     corrupted, positions, labels = mask_tokens(x, model.config, gen, 0.15, mask_frac, random_frac, am)
