@@ -6,11 +6,14 @@ at the same config in the same process (GPU numbers are only comparable within o
     python bench.py --model_size small,base --objectives all --hf --json out/bench.json   # the README's table
     python bench.py --model_size small --objectives mlm --profile --out_dir out/profile      # where a step's time goes
     python bench.py --model_size tiny --device cpu --batch_size 8 --seq_len 128 --steps 3 --hf   # runs anywhere
+    OMP_NUM_THREADS=1 python bench.py --model_size tiny --device cpu --batch_size 16 --steps 15 --interleave   # ratios
 
 Every step is a full training step: forward, backward, grad-norm clip at 1.0, fused AdamW on CUDA
 (train.configure_optimizer), bf16 autocast on CUDA and fp32 on CPU, dropout --dropout (0.1, BERT's
 and Hugging Face's default). Data loading is excluded unless --loader (then batches come through
 data.BlockLoader: pinned memory, asynchronous copy).
+On a shared CPU, --interleave builds every run of a size first and then times one step of each in
+turn (medians over --steps rounds), so the machine's drift does not skew the ratios.
 
 --hf times transformers.BertForMaskedLM built from model.config_to_hf (same hidden size, layers,
 heads, FFN, vocabulary, dropout; sequence length, batch, dtype, optimizer and clip as ours), the way
@@ -37,6 +40,7 @@ import gc
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from contextlib import nullcontext
@@ -258,8 +262,8 @@ def profile_steps(step, args, device, label):
     return result
 
 
-def bench(name, size, args, device):
-    """Build and time one run: name is an objective or "hf-mlm". Returns (result, its train step)."""
+def build(name, size, args, device):
+    """Build one run: name is an objective or "hf-mlm". Returns (train step, params, cfg, config, start time)."""
     torch._dynamo.reset()  # a fresh compile cache per run: no stale graphs, no recompile limit across runs
     gc.collect()
     if device.type == "cuda":
@@ -277,17 +281,38 @@ def bench(name, size, args, device):
         step, params = build_hf(config, args, device, autocast)
     else:
         step, params = build_ours(cfg, config, args, device, autocast)
-    step_ms, cpu_ms, peak_gb = time_steps(step, args, device)
+    return step, params, cfg, config, t0
+
+
+def summarise(name, size, args, device, built, timing):
+    """The result row of a built run and its (wall ms, process CPU ms, peak GB) per step."""
+    _, params, cfg, config, t0 = built
+    step_ms, cpu_ms, peak_gb = timing
     tokens_per_s = args.batch_size * args.seq_len / (step_ms / 1e3)
     flops = objective_flops_per_token(cfg.objective, config, cfg, args.seq_len)
     peak_flops = gpu_peak_flops(device) if device.type == "cuda" else None
-    r = dict(model_size=size, objective=name, params_m=sum(p.numel() for p in params) / 1e6, batch=args.batch_size,
-             seq=args.seq_len, compile=args.compile, dropout=args.dropout, gen_shape=args.gen_shape,
-             dtype="bf16 autocast" if device.type == "cuda" else "fp32", step_ms=step_ms, cpu_ms=cpu_ms,
-             tokens_per_s=tokens_per_s,
-             model_tflops=tokens_per_s * flops / 1e12, mfu=tokens_per_s * flops / peak_flops if peak_flops else None,
-             peak_mem_gb=peak_gb, run_s=time.perf_counter() - t0)  # run_s: build + compile + all steps
-    return r, step
+    return dict(model_size=size, objective=name, params_m=sum(p.numel() for p in params) / 1e6, batch=args.batch_size,
+                seq=args.seq_len, compile=args.compile, dropout=args.dropout, gen_shape=args.gen_shape,
+                dtype="bf16 autocast" if device.type == "cuda" else "fp32", step_ms=step_ms, cpu_ms=cpu_ms,
+                tokens_per_s=tokens_per_s, model_tflops=tokens_per_s * flops / 1e12,
+                mfu=tokens_per_s * flops / peak_flops if peak_flops else None, peak_mem_gb=peak_gb,
+                interleaved=args.interleave, run_s=time.perf_counter() - t0)  # run_s: build + compile + steps
+
+
+def time_interleaved(steps, args):
+    """CPU, --interleave: {name: (wall ms, process CPU ms, None)}, the medians over args.steps rounds of one
+    step of each run in turn, after args.warmup rounds. Drift on a shared machine then hits every run alike."""
+    for i in range(args.warmup):
+        for step in steps.values():
+            step(i)
+    times = {name: [] for name in steps}
+    for i in range(args.steps):
+        for name, step in steps.items():
+            t, cpu_t = time.perf_counter(), time.process_time()
+            step(i)
+            times[name].append(((time.perf_counter() - t) * 1e3, (time.process_time() - cpu_t) * 1e3))
+    return {name: (statistics.median(w for w, _ in ts), statistics.median(c for _, c in ts), None)
+            for name, ts in times.items()}
 
 
 HEADER = (f"{'size':6} {'objective':9} {'params':>7} {'tokens/s':>10} {'step ms':>9} {'vs mlm':>7} {'MFU':>6} "
@@ -347,9 +372,13 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=8, help="untimed steps first (compile happens here)")
     p.add_argument("--dropout", type=float, default=0.1, help="0.1: BERT's, the presets' and Hugging Face's default")
     p.add_argument("--compile", type=int, default=1, choices=[0, 1, 2],
-                   help="on CUDA (CPU runs stay eager): 0 eager, 1 compile the encoder (train.py's choice), "
+                   help="on CUDA (CPU runs stay eager): 0 eager, 1 compile the encoder and TACO's negative scoring "
+                        "(train.py's choice), "
                         "2 compile the whole step")
     p.add_argument("--loader", action="store_true", help="include data loading (data.BlockLoader)")
+    p.add_argument("--interleave", action="store_true",
+                   help="CPU: build every run of a size, then time one step of each in turn (medians over --steps "
+                        "rounds): ratios that a shared machine's drift does not skew")
     p.add_argument("--device", default="auto")
     p.add_argument("--profile", action="store_true", help="profile each run after timing it (see above)")
     p.add_argument("--profile_steps", type=int, default=3, help="steps under the profiler")
@@ -385,6 +414,8 @@ def main(argv=None):
         p.error(f"--device {args.device}: this torch sees no CUDA GPU")
     if device.type != "cuda":
         args.compile = 0  # CPU runs stay eager, as in train.py
+    if args.interleave and (device.type == "cuda" or args.profile):
+        p.error("--interleave is for CPU timing, without --profile (it holds every run of a size at once)")
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
 
     info = dict(command="python bench.py " + " ".join(sys.argv[1:] if argv is None else argv), torch=torch.__version__,
@@ -398,16 +429,22 @@ def main(argv=None):
     print(HEADER, flush=True)
     results, ratios = [], []
     for size in sizes:
-        mlm_ms = None
-        for name in objectives + (["hf-mlm"] if args.hf else []):
-            r, step = bench(name, size, args, device)
+        mlm_ms, names = None, objectives + (["hf-mlm"] if args.hf else [])
+        if args.interleave:
+            built = {name: build(name, size, args, device) for name in names}
+            timings = time_interleaved({name: b[0] for name, b in built.items()}, args)
+        for name in names:
+            run = built.pop(name) if args.interleave else build(name, size, args, device)
+            step = run[0]
+            r = summarise(name, size, args, device, run, timings[name] if args.interleave else
+                          time_steps(step, args, device))
             results.append(r)
             mlm_ms = r["step_ms"] if name == "mlm" else mlm_ms
             r["vs_mlm"] = r["step_ms"] / mlm_ms if mlm_ms else None
             print(table_row(r), flush=True)
             if args.profile:
                 r["profile"] = profile_steps(step, args, device, f"{size} {name}")
-            del step  # frees the model before the next run is built
+            del step, run  # frees the model before the next run is built
             if args.json:  # after every run, so a run cut off by a time limit keeps what it measured
                 write_json(args.json, dict(info=info, results=results, hf_ratios=ratios))
         ours = [r for r in results if r["model_size"] == size and r["objective"] == "mlm"]

@@ -1,4 +1,5 @@
 """bench.py runs on CPU with the tiny model: every objective, the Hugging Face baseline, the profiler."""
+import types
 from dataclasses import replace
 
 import pytest
@@ -90,8 +91,20 @@ def test_gpu_profile_tables_count_each_kernel_once():
     assert [op["name"] for op in tables["ops"]] == ["aten::mm", "aten::add"]
 
 
+def test_interleave_times_one_step_of_each_run_in_turn(capsys):
+    calls = []
+    steps = {name: (lambda i, name=name: calls.append((name, i))) for name in ("mlm", "taco")}
+    timings = bench.time_interleaved(steps, types.SimpleNamespace(warmup=1, steps=2))
+    assert calls == [("mlm", 0), ("taco", 0), ("mlm", 0), ("taco", 0), ("mlm", 1), ("taco", 1)]
+    assert set(timings) == {"mlm", "taco"}
+    assert all(wall >= 0 and cpu >= 0 and peak is None for wall, cpu, peak in timings.values())
+    results = bench.main(TINY + ["--objectives", "mlm,taco", "--taco_negatives", "4", "--interleave"])
+    assert [r["objective"] for r in results] == ["mlm", "taco"] and all(r["interleaved"] for r in results)
+    assert results[0]["vs_mlm"] == 1.0 and results[1]["vs_mlm"] > 0
+
+
 @pytest.mark.parametrize("argv", [["--bogus"], ["--objectives", "mlm,nope"], ["--model_size", "huge"],
-                                  ["--steps", "0"], ["--gen_shape", "nope"]])
+                                  ["--steps", "0"], ["--gen_shape", "nope"], ["--interleave", "--profile"]])
 def test_bad_flags_give_one_error_line_and_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         bench.main(argv)
