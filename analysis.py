@@ -26,7 +26,6 @@ Entry points: run_analysis(args) and plot_logs(paths, out).
 """
 import argparse
 import json
-import lzma
 import math
 import os
 import random
@@ -304,9 +303,7 @@ def load_sentences(documents, num_sentences, seed=0, min_words=5):
 
 def read_lines(path):
     """Lines of a UTF-8 text file, .xz-compressed or not (CRLF or LF)."""
-    opener = lzma.open if path.endswith(".xz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        return f.read().splitlines()
+    return data.read_text(path).splitlines()
 
 
 def held_out_documents(text_path, model_path):

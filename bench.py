@@ -50,7 +50,7 @@ import torch
 
 from losses import LOSSES, eligible_positions, generator_config
 from model import Bert, BertConfig, MODEL_PRESETS, config_to_hf
-from config import TrainConfig
+from config import Parser, TrainConfig
 from train import Pretrainer, configure_optimizer, gpu_peak_flops
 
 
@@ -348,12 +348,6 @@ def write_json(path, obj):
     with open(path + ".tmp", "w") as f:
         json.dump(obj, f, indent=1)
     os.replace(path + ".tmp", path)
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line on stderr and exit 2, as train.py and eval.py
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
 
 
 def main(argv=None):

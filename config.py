@@ -5,6 +5,7 @@ parsing and checking. --help prints them with the chosen preset's values and sou
     cfg, given = parse_args(["--objective", "taco", "--preset", "small"])
     validate(cfg)  # every flag checked once, before anything is read or written
 """
+import argparse
 import inspect
 import math
 import os
@@ -242,6 +243,14 @@ def validate(cfg):
     if not cfg.resume and os.path.isfile(os.path.join(cfg.out_dir, "ckpt.pt")):
         raise ValueError(f"--out_dir {cfg.out_dir} already holds a run: pass --resume {cfg.out_dir} to continue "
                          f"it, or choose another --out_dir")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse for eval.py and bench.py, whose errors are one line on stderr and exit 2, as train.py's."""
+
+    def error(self, message):
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
 
 
 def dir_problem(path):

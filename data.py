@@ -35,6 +35,7 @@ Tokenizer, corpus -> cached token stream, and packed-block batches for BERT pret
 import glob
 import hashlib
 import json
+import lzma
 import math
 import os
 import re
@@ -236,6 +237,18 @@ def _resolve_files(data):
             raise ValueError(f"empty data file: {f}")
     return files
 
+def read_text(path):
+    """A UTF-8 text file (.xz too; a BOM dropped) as one str; bytes that are not UTF-8 are one
+    ValueError naming the file and line (eval.py's GLUE TSVs, analysis.py's --text)."""
+    with (lzma.open if str(path).endswith(".xz") else open)(path, "rb") as f:
+        raw = f.read()
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 text ({e.reason} at byte "
+                         f"{e.start}): a binary file, or convert it with iconv -t UTF-8") from None
+
 def _read_problem(e):
     """The innermost cause of a datasets error, in words (DatasetGenerationError says only "An error occurred")."""
     while e.__cause__ is not None:  # explicit causes only: a context may be a fallback parser's error
@@ -290,6 +303,8 @@ def _load_corpus(data, files, cache_dir):
         ds = loaded[builder][f"file{i}"]
         if "text" not in ds.column_names:
             raise ValueError(f"no 'text' field in {f}")
+        if getattr(ds.features["text"], "dtype", None) not in ("string", "large_string"):
+            raise ValueError(f"the 'text' field of {f} holds {ds.features['text']}, not strings")
         parts.append(("lines" if builder == "text" else "docs", ds.select_columns(["text"]), str(f)))
     return parts
 
@@ -339,15 +354,19 @@ def _tokenize(tok, parts, path, dtype, data):
     tmp, n = f"{path}.tmp{os.getpid()}", 0
     # disable=None: a bar on a terminal, nothing in logs and captured output
     bar = tqdm(total=sum(len(ds) for _, ds, _ in parts), unit="rows", desc="tokenizing", disable=None)
-    with open(tmp, "wb") as f:
-        for pieces in _pieces(parts, bar):
-            # encode_batch_fast runs on every core and skips the offsets we don't need
-            encodings = iter(tok.encode_batch_fast([p for p in pieces if p is not None],
-                                                   add_special_tokens=False))
-            ids = chain.from_iterable((sep,) if p is None else next(encodings).ids for p in pieces)
-            arr = np.fromiter(ids, dtype=dtype)
-            f.write(arr.tobytes())
-            n += len(arr)
+    try:
+        with open(tmp, "wb") as f:
+            for pieces in _pieces(parts, bar):
+                # encode_batch_fast runs on every core and skips the offsets we don't need
+                encodings = iter(tok.encode_batch_fast([p for p in pieces if p is not None],
+                                                       add_special_tokens=False))
+                ids = chain.from_iterable((sep,) if p is None else next(encodings).ids for p in pieces)
+                arr = np.fromiter(ids, dtype=dtype)
+                f.write(arr.tobytes())
+                n += len(arr)
+    except BaseException:  # a bad row or Ctrl-C leaves no partial file (a SIGKILL's stays, never read)
+        os.remove(tmp)
+        raise
     bar.close()
     if n == 0:
         os.remove(tmp)

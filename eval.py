@@ -45,7 +45,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import analysis
-from data import load_tokenizer
+from config import Parser, dir_problem
+from data import load_tokenizer, read_text
 from model import Bert, config_to_hf, write_atomic
 
 # ----------------------------------------------------------------------------------------------
@@ -193,8 +194,8 @@ def read_tsv(path, task, test=False):
     """One GLUE TSV as a Dataset(text_a[, text_b], label); a test TSV (no labels) as
     Dataset(text_a[, text_b], index). Quoting is off: GLUE sentences hold bare quotes. utf-8-sig
     drops MRPC's BOM. Every row must have the header's column count."""
-    with open(path, encoding="utf-8-sig", newline="\n") as f:
-        lines = [line.rstrip("\n").rstrip("\r") for line in f]
+    lines = read_text(path).split("\n")
+    lines = [line.rstrip("\r") for line in (lines[:-1] if lines[-1] == "" else lines)]  # LF or CRLF, last one optional
     if task.header and not test:  # CoLA's train/dev have no header line, its test file has one
         header, first = task.header, 0
     else:
@@ -214,7 +215,10 @@ def read_tsv(path, task, test=False):
             rows["index"].append(raw)
         else:
             try:
-                rows["label"].append(float(raw) if task.labels is None else task.labels[raw])
+                label = float(raw) if task.labels is None else task.labels[raw]
+                if not math.isfinite(label):
+                    raise ValueError
+                rows["label"].append(label)
             except (KeyError, ValueError):
                 expected = "a number" if task.labels is None else "/".join(task.labels)
                 raise ValueError(f"{path}:{lineno}: bad label {raw!r} (expected {expected})") from None
@@ -257,6 +261,8 @@ def load_task(task, glue_dir=None, test=False):
         for stem, (rel, _, _) in tests.items():
             path = os.path.join(glue_dir, *rel.split("/"))
             test_sets[stem] = read_tsv(path, task, test=True) if os.path.isfile(path) else f"no {rel} in {glue_dir}"
+            if not isinstance(test_sets[stem], str) and len(test_sets[stem]) == 0:
+                test_sets[stem] = f"{rel} in {glue_dir} has no rows"
     else:  # needs internet (or the hub cache) and is never exercised by the tests
         hub = {task.name: load_hub(task.name)}
         names = dict(zip(task.hub_text, ("text_a", "text_b")))
@@ -700,9 +706,11 @@ def validate_args(args):
             raise ValueError(f"--{flag} {path}: no such file or directory")
     if args.glue_dir is not None and not os.path.isdir(args.glue_dir):
         raise ValueError(f"--glue_dir {args.glue_dir}: not a directory (the folder holding CoLA/, SST-2/, ...)")
-    png = args.plot_log and not args.analysis and args.out and args.out.endswith(".png")  # plot_logs takes a file
-    if args.out is not None and os.path.exists(args.out) and not os.path.isdir(args.out) and not png:
-        raise ValueError(f"--out {args.out}: an existing file; --out names a directory")
+    if args.out is not None:
+        png = args.plot_log and not args.analysis and args.out.endswith(".png")  # plot_logs takes a file
+        problem = dir_problem((os.path.dirname(args.out) or ".") if png else args.out)
+        if problem:
+            raise ValueError(f"--out {args.out}: {problem}")
 
 
 def run_glue(args, log=print):
@@ -732,14 +740,21 @@ def run_glue(args, log=print):
         + (f"; flags override {overrides}" if overrides else ""))
     if args.max_train_samples:
         log("note: with --max_train_samples, each recipe's warm-up steps shrink in proportion to the train rows kept")
-    results, predictions, t_all = {}, {}, time.time()
-    for task in tasks:
+    loaded, missing = {}, {}
+    for task in tasks:  # every TSV read and checked first: a bad row in the last task costs no fine-tuning
         try:
-            raw = load_task(task, args.glue_dir, test=args.predict)
+            loaded[task.name] = load_task(task, args.glue_dir, test=args.predict)
         except TaskMissing as e:
             log(f"warning: skipping {task.name}: {e}")
-            results[task.name] = dict(status="missing", reason=str(e))
+            missing[task.name] = dict(status="missing", reason=str(e))
+    if not loaded:
+        raise ValueError("no GLUE task could be scored: " + "; ".join(f"{n}: {r['reason']}" for n, r in missing.items()))
+    results, predictions, t_all = {}, {}, time.time()
+    for task in tasks:
+        if task.name in missing:
+            results[task.name] = missing[task.name]
             continue
+        raw = loaded.pop(task.name)
         n_full = len(raw["train"])
         if args.max_train_samples:
             raw["train"] = subset(raw["train"], args.max_train_samples)
@@ -791,9 +806,6 @@ def run_glue(args, log=print):
             os.makedirs(out, exist_ok=True)
             write_submission(os.path.join(out, stem + ".tsv"), task, index, best[2][stem])
             predictions[stem] = dict(rows=len(index), model=f"{task.name} {best[1]}")
-    if not any(r["status"] == "ok" for r in results.values()):
-        raise ValueError("no GLUE task could be scored: " + "; ".join(f"{n}: {r['reason']}"
-                                                                      for n, r in results.items()))
     n_runs = len(next(r for r in results.values() if r["status"] == "ok")["runs"])
     combos = n_runs // len(seeds)
     runs_label = (f"seed {seeds[0]}" if n_runs == 1 else f"{len(seeds)} seeds" if combos == 1 else
@@ -823,7 +835,7 @@ def subset(ds, n):  # a fixed random subset, not the first rows: CoLA's are sort
 
 
 def build_parser():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", nargs="+", help="run directory, Hugging Face BERT directory, or ckpt.pt of this "
                    "project (--analysis compares several)")
     p.add_argument("--out", help="output directory (default: the (first) model's directory)")
@@ -877,7 +889,7 @@ def build_parser():
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)  # argparse's own errors: a usage line, "error: ...", exit 2
+    args = build_parser().parse_args(argv)  # an unknown flag or a bad type: one "error: ..." line, exit 2
     try:
         validate_args(args)
         if args.plot_log:

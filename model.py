@@ -43,6 +43,21 @@ class BertConfig:
     sep_token_id: int = 3
     mask_token_id: int = 4
 
+    def __post_init__(self):
+        """Every field checked: a corrupt config.json or checkpoint is one clear ValueError, not a crash in a layer."""
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.type is int:
+                least = 0 if f.name.endswith("_id") else 1
+                ok, allowed = type(v) is int and v >= least, f"an integer >= {least}"
+            else:  # a float; NaN fails every comparison
+                top = 1 if f.name == "dropout" else math.inf
+                ok, allowed = type(v) in (int, float) and 0 <= v < top, f"a number in [0, {top})"
+            if not ok:
+                raise ValueError(f"model config: {f.name} = {v!r}, expected {allowed}")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"model config: hidden_size {self.hidden_size} is not a multiple of num_heads {self.num_heads}")
+
     @property
     def padded_vocab_size(self):
         return math.ceil(self.vocab_size / self.pad_vocab_to) * self.pad_vocab_to
@@ -200,8 +215,10 @@ class Bert(nn.Module):
             with open(cfg_path) as f:
                 hf = json.load(f)
             config = config_from_hf(hf, vocab_file=os.path.join(path, "vocab.txt"))
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"{cfg_path}: not a valid BERT config ({e!r})") from None
+        except KeyError as e:
+            raise ValueError(f"{cfg_path}: not a valid BERT config (no {e} key)") from None
+        except ValueError as e:  # not JSON, not UTF-8, or a value BertConfig refuses
+            raise ValueError(f"{cfg_path}: not a valid BERT config ({_last_line(e)})") from None
         state = _read_weights(path)
         model = cls(config)
         model.load_hf_state_dict(state, source=path)
@@ -327,10 +344,12 @@ def config_to_hf(config):
 
 
 def config_from_hf(hf, vocab_file=None):
+    if not isinstance(hf, dict):
+        raise ValueError(f"expected a JSON object, got {type(hf).__name__}")
     if hf.get("hidden_act", "gelu") != "gelu" or hf.get("position_embedding_type", "absolute") != "absolute":
         raise ValueError(f"unsupported BERT variant (hidden_act={hf.get('hidden_act')}, "
                          f"position_embedding_type={hf.get('position_embedding_type')})")
-    config = BertConfig(
+    values = dict(
         vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
         num_heads=hf["num_attention_heads"], intermediate_size=hf["intermediate_size"],
         max_position_embeddings=hf["max_position_embeddings"], type_vocab_size=hf.get("type_vocab_size", 2),
@@ -343,12 +362,12 @@ def config_from_hf(hf, vocab_file=None):
             vocab = {line.rstrip("\n"): i for i, line in enumerate(f)}
     for key, token in specials.items():
         if key in hf:
-            setattr(config, key, hf[key])
+            values[key] = hf[key]
         elif vocab is not None and token in vocab:
-            setattr(config, key, vocab[token])
-        elif config.vocab_size == 30522:  # bert-base-uncased's layout
-            setattr(config, key, {"[UNK]": 100, "[CLS]": 101, "[SEP]": 102, "[MASK]": 103}[token])
-    return config
+            values[key] = vocab[token]
+        elif values["vocab_size"] == 30522:  # bert-base-uncased's layout
+            values[key] = {"[UNK]": 100, "[CLS]": 101, "[SEP]": 102, "[MASK]": 103}[token]
+    return BertConfig(**values)  # checks every value
 
 
 def _read_weights(path):
@@ -360,7 +379,7 @@ def _read_weights(path):
         if os.path.isfile(pt):  # the safe loader: a pickle that would run code is refused
             return torch.load(pt, map_location="cpu", weights_only=True)
     except Exception as e:
-        unsafe = re.search(r"GLOBAL ([\w.]+) was not an allowed global", str(e))
+        unsafe = re.search(r"GLOBAL ([\w.]+)", str(e))  # torch's weights-only unpickler refused a global
         if unsafe:
             raise ValueError(f"{pt}: refused: it holds a Python object ({unsafe.group(1)}) that only an unsafe "
                              f"load would run; weights files hold tensors only") from None
@@ -375,7 +394,7 @@ def load_checkpoint_file(path):
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        unsafe = re.search(r"GLOBAL ([\w.]+) was not an allowed global", str(e))
+        unsafe = re.search(r"GLOBAL ([\w.]+)", str(e))  # torch's weights-only unpickler refused a global
         if unsafe:
             hint = (" (checkpoints of train.py before safe loading pickled numpy's RNG state: retrain, or load it "
                     "once with torch.load(weights_only=False) if you trust it and re-save it without 'rng')"
@@ -396,7 +415,11 @@ def _last_line(e):
 def _load_project_checkpoint(path):
     ckpt = load_checkpoint_file(path)
     names = {f.name for f in fields(BertConfig)}
-    model = Bert(BertConfig(**{k: v for k, v in ckpt["model_config"].items() if k in names}))
+    try:
+        config = BertConfig(**{k: v for k, v in ckpt["model_config"].items() if k in names})
+    except (AttributeError, ValueError) as e:  # model_config not a dict, or a value BertConfig refuses
+        raise ValueError(f"{path}: not a valid model config ({_last_line(e)})") from None
+    model = Bert(config)
     if "pooler.weight" in ckpt["model"]:
         model.pooler = nn.Linear(model.config.hidden_size, model.config.hidden_size)
     try:

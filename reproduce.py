@@ -459,8 +459,14 @@ def report(args, runs):
 # ---------------------------------------------------------------------------------------------
 
 
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit 2, as config.Parser (not imported: reproduce.py never loads torch)
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scale", default="toy", choices=list(SCALES), help="toy: CPU, a minute; cpu: CPU, about an hour; mini: one GPU, ~25 min")
     p.add_argument("--objectives", default="mlm,taco,cocolm,electra,tacl",
                    help="comma list from mlm,taco,cocolm,electra,tacl; tacl adds mlm (its start) and mlm_cont")

@@ -246,6 +246,8 @@ UNREADABLE = {  # file name -> (bytes, words the one-line error must contain)
     "broken.jsonl": (b'{"text": "fine"}\n{"text": "no closing quote}\n', "JSON parse error"),
     "fake.txt.gz": (b"plain text, not gzip\n", "Not a gzipped file"),
     "fake.txt.xz": (b"plain text, not xz\n", "LZMAError"),
+    "number.jsonl": (b'{"text": 5}\n', "holds Value('int64'), not strings"),
+    "list.jsonl": (b'{"text": ["a", "b"]}\n', "not strings"),
 }
 
 
@@ -259,6 +261,7 @@ def test_unreadable_corpus_is_one_clear_error(tok_dir, tmp_path, name):
             data.prepare_data(str(data_arg), tmp_path / "cache", tokenizer=tok_dir)
         message = str(info.value)
         assert str(tmp_path / name) in message and problem in message and "\n" not in message, message
+        assert [p.name for p in (tmp_path / "cache").iterdir()] == ["hf"]  # no partial token file left behind
 
 
 def test_corrupt_token_cache_is_rebuilt(tok_dir, tmp_path, capsys):

@@ -467,7 +467,8 @@ BAD_FLAGS = [  # (flags, what the error line must name)
     (["--seeds", "1,1"], "--seeds"), (["--seeds=-1"], "--seeds"), (["--grid_seed", "-2"], "--grid_seed -2"), (["--predict_seed", "3"], "--predict_seed 3"),
     (["--max_train_samples", "0"], "--max_train_samples 0"), (["--max_eval_samples", "-3"], "--max_eval_samples -3"),
     (["--num_combos", "0"], "--num_combos 0"), (["--glue_dir", "{tmp}/nowhere"], "--glue_dir"),
-    (["--out", "{tmp}/a_file"], "--out"), (["--plot_log", "{tmp}"], "--plot_log"),
+    (["--out", "{tmp}/a_file"], "--out"), (["--out", "{tmp}/a_file/sub"], "--out {tmp}/a_file/sub: cannot be created"),
+    (["--plot_log", "{tmp}"], "--plot_log"),
     (["--plot_log", "{tmp}/missing.jsonl"], "--plot_log"), (["--text", "{tmp}/missing.txt", "--analysis"], "--text"),
 ]
 
@@ -482,12 +483,9 @@ def test_bad_flags(flags, named, tmp_path, tiny_model_dir, capsys):
     assert not (tmp_path / "out").exists() and (tmp_path / "a_file").read_text() == "keep me"  # nothing written
 
 
-@pytest.mark.parametrize("flags", [["--epochs", "x"], ["--recipe", "best"], ["--model_size", "huge"]])
+@pytest.mark.parametrize("flags", [["--epochs", "x"], ["--recipe", "best"], ["--model_size", "huge"], ["--bogus", "1"]])
 def test_argparse_errors(flags, capsys):
-    with pytest.raises(SystemExit) as e:
-        ev.main(["--model", "m", *flags])
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and "error:" in err and flags[0] in err and "Traceback" not in err
+    assert flags[0] in run_main_error(["--model", "m", *flags], capsys)  # one line, no usage block
 
 
 def test_hub_unreachable_is_one_line(tmp_path, tiny_model_dir, capsys, monkeypatch):
@@ -529,6 +527,35 @@ def test_error_malformed_rows(tmp_path, tiny_model_dir, capsys):
     path.write_text("\n".join(lines))
     with pytest.raises(ValueError, match=r"dev.tsv:4: bad label 'yes'"):
         ev.read_tsv(str(path), ev.TASKS["mrpc"])
+    path = glue / "STS-B" / "train.tsv"
+    lines = path.read_text().split("\n")
+    for bad in ("nan", "inf"):  # a regression label must be a finite number
+        path.write_text("\n".join(lines[:2] + [lines[2].rsplit("\t", 1)[0] + "\t" + bad] + lines[3:]))
+        with pytest.raises(ValueError, match=f"train.tsv:3: bad label '{bad}'"):
+            ev.read_tsv(str(path), ev.TASKS["stsb"])
+    path.write_bytes("\n".join(lines[:5]).encode() + "\n0\tcaf\xe9".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"train.tsv:6: not UTF-8 text"):
+        ev.read_tsv(str(path), ev.TASKS["stsb"])
+
+
+def test_every_tsv_is_checked_before_any_fine_tuning(tmp_path, tiny_model_dir, capsys):
+    glue = write_glue(tmp_path / "glue")
+    with open(glue / "STS-B" / "dev.tsv", "a") as f:
+        f.write("\nonly\ttwo")
+    with pytest.raises(SystemExit):
+        ev.main(["--model", str(tiny_model_dir), "--glue_dir", str(glue), "--tasks", "cola,stsb",
+                 "--out", str(tmp_path / "out")])
+    out, err = capsys.readouterr()
+    assert "STS-B/dev.tsv:26: expected 10 tab-separated columns" in err and "epoch" not in out  # CoLA never ran
+
+
+def test_a_test_set_without_rows_is_missing(tmp_path, tiny_model_dir, capsys):
+    glue = write_glue(tmp_path / "glue")
+    (glue / "CoLA" / "test.tsv").write_text("index\tsentence\n")  # a header and nothing else
+    report = ev.run_glue(ev.build_parser().parse_args(["--model", str(tiny_model_dir), "--glue_dir", str(glue),
+                         "--tasks", "cola", "--predict", "--epochs", "1", "--out", str(tmp_path / "out")]))
+    assert report["predictions"]["CoLA"] == f"missing: CoLA/test.tsv in {glue} has no rows"
+    assert not (tmp_path / "out" / "CoLA.tsv").exists()
 
 
 def test_error_nothing_to_score(tmp_path, tiny_model_dir, capsys):

@@ -117,3 +117,21 @@ def test_bad_checkpoints_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="corrupt"):
         Bert.from_pretrained(str(bad))
     assert os.path.isfile(tmp_path / "model.safetensors")  # nothing saved was removed
+
+
+@pytest.mark.parametrize("edit,problem", [
+    ([], "expected a JSON object"), ({"hidden_size": "32"}, "hidden_size = '32'"),
+    ({"num_hidden_layers": None}, "num_layers = None"), ({"num_attention_heads": 3}, "not a multiple of num_heads 3"),
+    ({"hidden_dropout_prob": 1.5}, "dropout = 1.5"), ({"vocab_size": True}, "vocab_size = True"), ("{", "Expecting")])
+def test_a_corrupt_config_is_one_clear_error(tmp_path, edit, problem):
+    Bert(BertConfig(**TINY)).save_pretrained(str(tmp_path))
+    cfg = json.load(open(tmp_path / "config.json"))
+    text = edit if isinstance(edit, str) else json.dumps({**cfg, **edit} if isinstance(edit, dict) else edit)
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ValueError, match="not a valid BERT config") as info:
+        Bert.from_pretrained(str(tmp_path))
+    assert problem in str(info.value) and "\n" not in str(info.value)
+    # a training checkpoint's model_config is checked the same way
+    torch.save({"model": {}, "model_config": dict(TINY, num_heads=3)}, tmp_path / "ckpt.pt")
+    with pytest.raises(ValueError, match="not a valid model config"):
+        Bert.from_pretrained(str(tmp_path / "ckpt.pt"))

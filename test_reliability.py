@@ -193,6 +193,11 @@ class Payload:
         return open, (self.marker, "w")
 
 
+class ShellPayload(Payload):
+    def __reduce__(self):  # the classic exploit: a shell command (torch words its refusal differently)
+        return os.system, (f"touch {self.marker}",)
+
+
 def test_a_pickle_payload_is_refused_and_never_runs(corpus, cache, tmp_path, capsys):
     marker = tmp_path / "payload_ran"
     evil = tmp_path / "evil"
@@ -210,9 +215,13 @@ def test_a_pickle_payload_is_refused_and_never_runs(corpus, cache, tmp_path, cap
     model.Bert(model.BertConfig(vocab_size=100, hidden_size=32, num_layers=1, num_heads=2,
                                 intermediate_size=64)).save_pretrained(str(hf))
     os.remove(hf / "model.safetensors")
-    torch.save({"bert.embeddings.word_embeddings.weight": Payload(str(marker))}, hf / "pytorch_model.bin")
-    with pytest.raises(ValueError, match="refused"):
-        model.Bert.from_pretrained(str(hf))
+    for payload in (Payload, ShellPayload):
+        torch.save({"bert.embeddings.word_embeddings.weight": payload(str(marker))}, hf / "pytorch_model.bin")
+        with pytest.raises(ValueError, match="refused"):
+            model.Bert.from_pretrained(str(hf))
+        torch.save({"model": payload(str(marker)), "model_config": {}}, evil / "ckpt.pt")
+        with pytest.raises(ValueError, match="refused"):
+            model.Bert.from_pretrained(str(evil))
     assert not marker.exists()
 
 
