@@ -181,16 +181,27 @@ def parse_args(argv, usage=None):
     preset = given.get("preset", TrainConfig.preset)
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r} (choose from {', '.join(PRESETS)})")
+    if "data" in given:
+        given["data"] = data_path(given["data"])
     cfg = replace(TrainConfig(), **{**PRESETS[preset], **given})
     if "warmup_steps" not in given and cfg.warmup_steps > cfg.max_steps:  # a short run of a preset: 10% warm-up
         cfg.warmup_steps = cfg.max_steps // 10
     return cfg, given
 
 
+def data_path(data):
+    """A local --data (file, directory, glob) as an absolute path, so that a resume started from another
+    directory reads the same files and the checkpoint says which; a hub dataset name stays as it is."""
+    local = os.path.expanduser(data)
+    if os.path.exists(local) or any(c in data for c in "*?[") or data.startswith(("/", ".", "~")):
+        return os.path.abspath(local)
+    return data
+
+
 DTYPES = ("auto", "fp32", "bf16", "fp16")
 # lower bounds, with the reason a smaller value cannot work
 MINIMUM = dict(seq_len=(3, "room for [CLS] and [SEP]"), batch_size=(1, ""), tokens_per_step=(1, ""),
-               max_steps=(1, ""), warmup_steps=(0, ""), log_interval=(1, ""), eval_interval=(1, ""),
+               max_steps=(1, ""), warmup_steps=(0, ""), seed=(0, ""), log_interval=(1, ""), eval_interval=(1, ""),
                eval_batches=(1, ""), ckpt_interval=(1, ""), weight_decay=(0, ""), grad_clip=(0, "0 = off"),
                gen_layers=(0, "0 = the gen_shape's own"), negative_pool=(0, "0 = the micro-batch"),
                vocab_size=(100, "5 special tokens and enough WordPiece pieces to spell words"),
@@ -225,7 +236,11 @@ def validate(cfg):
         v = getattr(cfg, name)
         need((v >= low if low_in else v > low) and (v <= high if high_in else v < high), name,
              f"must be in {'[(' [not low_in]}{low}, {high}{')]'[high_in]}")
+    need(cfg.seed < 2 ** 63, "seed", "must be < 2**63 (torch seeds are 64-bit)")
+    need(cfg.data.strip(), "data", "must name a file, a directory, a glob or a hub dataset")
     need(cfg.warmup_steps <= cfg.max_steps, "warmup_steps", f"must be <= --max_steps {cfg.max_steps}")
+    need(cfg.objective != "taco" or (cfg.negative_pool or cfg.batch_size) >= 2, "batch_size",
+         "TACO draws negatives from the other sequences of its pool: it needs batch_size (or negative_pool) >= 2")
     need(cfg.objective != "tacl" or cfg.init_from or cfg.resume, "init_from",
          "TaCL continues a trained model: pass --init_from a run dir or a Hugging Face BERT dir "
          "(e.g. first python train.py --objective mlm --out_dir out/mlm, then --init_from out/mlm)")
@@ -240,6 +255,10 @@ def validate(cfg):
     need(cfg.device != "mps" or torch.backends.mps.is_available(), "device", "MPS is not available on this machine")
     for name in ("out_dir", "cache_dir"):
         need(dir_problem(getattr(cfg, name)) is None, name, dir_problem(getattr(cfg, name)))
+    init_dir = cfg.init_from if os.path.isdir(cfg.init_from) else os.path.dirname(cfg.init_from)
+    if cfg.init_from and os.path.realpath(init_dir) == os.path.realpath(cfg.out_dir):
+        raise ValueError(f"--out_dir {cfg.out_dir} is where --init_from {cfg.init_from} is: the run would overwrite "
+                         f"the weights it starts from; choose another --out_dir")
     if not cfg.resume and os.path.isfile(os.path.join(cfg.out_dir, "ckpt.pt")):
         raise ValueError(f"--out_dir {cfg.out_dir} already holds a run: pass --resume {cfg.out_dir} to continue "
                          f"it, or choose another --out_dir")
@@ -278,16 +297,20 @@ def resume_config(cfg, given):
         raise ValueError(f"--resume {cfg.resume}: no checkpoint there")
     ckpt = load_checkpoint_file(path)
     missing = {"model", "model_config", "objective", "optimizer", "scaler", "step", "loader", "config"} - set(ckpt)
-    unknown = set(ckpt["model_config"]) - {f.name for f in fields(BertConfig)}
+    model_config = ckpt["model_config"] if isinstance(ckpt["model_config"], dict) else {"(not a dict)": None}
+    unknown = set(model_config) - {f.name for f in fields(BertConfig)}
     if missing or unknown:
         raise ValueError(f"--resume {path}: not a resumable checkpoint of this version (missing "
                          f"{sorted(missing)}, unknown model_config keys {sorted(unknown)})")
     run_dir = os.path.dirname(path) or "."
-    saved = saved_config(ckpt)
-    for name in FIXED_ON_RESUME:
-        if name in given and given[name] != getattr(saved, name):
+    saved = saved_config(ckpt, path)
+    for name in (n for n in FIXED_ON_RESUME if n in given):
+        if given[name] != (data_path(saved.data) if name == "data" else getattr(saved, name)):
             raise ValueError(f"--resume {path}: checkpoint has {name}={getattr(saved, name)!r}, flags say "
                              f"{given[name]!r} (it would change the model, its vocabulary or the data order)")
+    if given.get("max_steps", saved.max_steps) < ckpt["step"]:
+        raise ValueError(f"--max_steps {given.get('max_steps', saved.max_steps)}: the run in {run_dir} is already at "
+                         f"step {ckpt['step']}; to train on, pass a larger --max_steps")
     if "out_dir" in given and os.path.realpath(given["out_dir"]) != os.path.realpath(run_dir):
         raise ValueError(f"--resume continues the run in {run_dir}; --out_dir {given['out_dir']} is another "
                          f"directory (to start a new run from its weights, use --init_from {run_dir})")
@@ -295,6 +318,15 @@ def resume_config(cfg, given):
 
 
 
-def saved_config(ckpt):
-    """The TrainConfig a checkpoint was trained with (fields it does not know are dropped)."""
-    return TrainConfig(**{k: v for k, v in ckpt["config"].items() if k in {f.name for f in fields(TrainConfig)}})
+def saved_config(ckpt, path="checkpoint"):
+    """The TrainConfig a checkpoint was trained with (fields it does not know are dropped); a value of the
+    wrong type (an edited or corrupt checkpoint) is one ValueError."""
+    types = {f.name: f.type for f in fields(TrainConfig)}
+    saved = ckpt["config"]
+    if not isinstance(saved, dict):
+        raise ValueError(f"{path}: its config is a {type(saved).__name__}, not a dict (an edited or corrupt checkpoint)")
+    for k, v in saved.items():
+        if k in types and not (type(v) is types[k] or types[k] is float and type(v) is int):
+            raise ValueError(f"{path}: its config has {k} = {v!r}, not a {types[k].__name__} (an edited or corrupt "
+                             f"checkpoint)")
+    return TrainConfig(**{k: v for k, v in saved.items() if k in types})

@@ -35,6 +35,7 @@ Tokenizer, corpus -> cached token stream, and packed-block batches for BERT pret
 import glob
 import hashlib
 import json
+import logging
 import lzma
 import math
 import os
@@ -279,12 +280,17 @@ def _load_corpus(data, files, cache_dir):
     hf_cache = str(Path(cache_dir) / "hf")
     if files is None:
         name, _, config = data.partition(":")
+        hub_log = logging.getLogger("huggingface_hub")
+        level = hub_log.level
+        hub_log.setLevel(logging.ERROR)  # offline, its retry warnings (one per attempt) would bury the error line
         try:
             ds = datasets.load_dataset(name, config or None, split="train", cache_dir=hf_cache)
         except Exception as e:  # offline, or no such dataset: one line, with the way out
             raise ValueError(f"--data {data!r} is neither a local path nor a loadable hub dataset "
                              f"({_first_line(e)}); without internet pass --data FILE|DIR|GLOB, "
                              f"e.g. the bundled sample --data {SAMPLE_CORPUS}") from None
+        finally:
+            hub_log.setLevel(level)
         # WikiText rows are lines (articles start at headings); other hub corpora have a doc per row
         return [("lines" if name.endswith("wikitext") else "docs", ds.select_columns(["text"]), data)]
     # one split per file, one load_dataset call per builder: file boundaries stay visible

@@ -76,6 +76,7 @@ BAD_VALUES = [
     ("beta2", "1"), ("dropout", "1"), ("val_fraction", "0.9"), ("val_fraction", "-0.1"), ("negative_pool", "-1"),
     ("taco_anchors", "some"), ("gen_shape", "bart"), ("model_size", "huge"), ("objective", "bogus"),
     ("taco_weight", "-1"), ("out_dir", ""), ("out_dir", "FILE"), ("out_dir", "FILE/run"), ("cache_dir", "FILE"),
+    ("seed", "-1"), ("seed", str(2 ** 64)), ("data", ""), ("data", " "),
 ]
 if not torch.cuda.is_available():
     BAD_VALUES.append(("device", "cuda"))
@@ -332,12 +333,70 @@ def test_partial_writes_of_a_killed_save_are_removed_on_resume(corpus, cache, tm
     assert run_main(flags(corpus, cache, run_dir, max_steps=5, ckpt_interval=5), capsys)[0] == 0
     (run_dir / "ckpt.pt.tmp").write_bytes(b"half a checkpoint")  # what a kill inside torch.save leaves
     (run_dir / "tokenizer.json.tmp4242").write_text("{")
-    (run_dir / "notes.txt").write_text("mine")  # anything else stays
+    for name in ("notes.txt", "draft.tmp", "notes.tmp2"):  # anything that is not our own temporary file stays
+        (run_dir / name).write_text("mine")
     code, _, err = run_main(["--resume", run_dir, "--max_steps", 6], capsys)
     assert code == 0, err
     assert not (run_dir / "ckpt.pt.tmp").exists() and not (run_dir / "tokenizer.json.tmp4242").exists()
-    assert (run_dir / "notes.txt").read_text() == "mine"
+    assert all((run_dir / name).read_text() == "mine" for name in ("notes.txt", "draft.tmp", "notes.tmp2"))
     assert model.load_checkpoint_file(str(run_dir / "ckpt.pt"))["step"] == 6
+
+
+def test_resume_refuses_data_that_changed_and_finds_relative_paths_from_elsewhere(corpus, cache, tmp_path, capsys,
+                                                                                 monkeypatch):
+    own = tmp_path / "data" / "corpus.txt"
+    own.parent.mkdir()
+    shutil.copy(corpus, own)
+    monkeypatch.chdir(own.parent)
+    run_dir = tmp_path / "run"
+    assert run_main(flags("corpus.txt", cache, run_dir, max_steps=5, ckpt_interval=5), capsys)[0] == 0
+    monkeypatch.chdir(tmp_path)  # elsewhere, where corpus.txt names nothing (or another file)
+    (tmp_path / "corpus.txt").write_text("another text entirely\n" * 2000)
+    code, _, err = run_main(["--resume", run_dir, "--max_steps", 8], capsys)  # reads the run's own file
+    assert code == 0, err
+    code, _, err = run_main(["--resume", run_dir, "--max_steps", 10, "--data", own], capsys)  # the same, named absolutely
+    assert code == 0, err
+    step = model.load_checkpoint_file(str(run_dir / "ckpt.pt"))["step"]
+    own.write_text(own.read_text()[: len(own.read_text()) // 2])  # the corpus edited in place
+    code, _, err = run_main(["--resume", run_dir, "--max_steps", 12], capsys)
+    assert code == 2
+    one_error(err, "is not the data this run was trained on")
+    assert model.load_checkpoint_file(str(run_dir / "ckpt.pt"))["step"] == step  # nothing saved was touched
+
+
+def test_init_from_flags_that_cannot_work_are_refused(corpus, cache, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert run_main(flags(corpus, cache, run_dir, max_steps=5, ckpt_interval=5), capsys)[0] == 0
+    export = tmp_path / "export"
+    export.mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "vocab.txt"):
+        shutil.copy(run_dir / name, export / name)
+    weights = (export / "model.safetensors").read_bytes()
+    for extra, needle in ((["--init_from", export, "--out_dir", export], "overwrite the weights it starts from"),
+                          (["--init_from", run_dir, "--model_size", "base"], "--model_size base"),
+                          (["--resume", run_dir, "--max_steps", 3], "already at step 5")):
+        code, _, err = run_main(flags(corpus, cache, tmp_path / "new") + extra, capsys)
+        assert code == 2, err
+        one_error(err, needle)
+    assert (export / "model.safetensors").read_bytes() == weights
+    # --init_from a ckpt.pt takes the tokenizer of its directory, as --init_from the directory does
+    other = tmp_path / "other.txt"
+    other.write_text(Path(corpus).read_text().upper().replace("E", "Q"))  # trains another vocabulary
+    code, out, err = run_main(flags(other, cache, tmp_path / "cont", max_steps=2) + ["--init_from", run_dir / "ckpt.pt"],
+                              capsys)
+    assert code == 0, err
+    assert (tmp_path / "cont" / "vocab.txt").read_text() == (run_dir / "vocab.txt").read_text()
+
+
+def test_a_checkpoint_config_of_the_wrong_type_is_one_error_line(corpus, cache, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert run_main(flags(corpus, cache, run_dir, max_steps=5, ckpt_interval=5), capsys)[0] == 0
+    ckpt = torch.load(run_dir / "ckpt.pt", weights_only=True)
+    for config, needle in (({**ckpt["config"], "lr": "0.001"}, "lr = '0.001', not a float"), ([1], "not a dict")):
+        torch.save({**ckpt, "config": config}, run_dir / "ckpt.pt")
+        code, _, err = run_main(["--resume", run_dir, "--max_steps", 10], capsys)
+        assert code == 2
+        one_error(err, needle)
 
 
 def test_resume_with_another_batch_size_continues_at_the_same_sequence(corpus, cache, tmp_path, capsys,

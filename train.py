@@ -22,6 +22,7 @@ from contextlib import nullcontext
 from dataclasses import asdict, replace
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -144,12 +145,28 @@ def release_lock(lock):
     lock.close()
 
 
+# the files a run writes into out_dir, each through NAME.tmp or NAME.tmpPID and a rename
+RUN_FILES = (r"ckpt\.pt|model\.safetensors|config\.json|tokenizer\.json|vocab\.txt|tokenizer_config\.json|"
+             r"special_tokens_map\.json|code(-step\d+)?\.diff")
+
+
 def remove_partial_writes(out_dir):
     """A run killed mid-save leaves its temporary file (ckpt.pt.tmp: over a GB for BERT-base); the
-    finished files are untouched. Called under the lock, so no other run is writing here."""
+    finished files, and any file that is not one of ours, are untouched. Called under the lock, so
+    no other run is writing here."""
     for name in os.listdir(out_dir):
-        if re.search(r"\.tmp\d*$", name) and os.path.isfile(os.path.join(out_dir, name)):
+        if re.fullmatch(rf"({RUN_FILES})\.tmp\d*", name) and os.path.isfile(os.path.join(out_dir, name)):
             os.remove(os.path.join(out_dir, name))
+
+
+def data_fingerprint(train_tokens, val_tokens):
+    """The token streams' sizes and a hash of 4,096 tokens spread over each: a resume refuses other or
+    edited data (same path, other files; a corpus changed in place), which would silently move the run."""
+    h = hashlib.sha1()
+    for tokens in (train_tokens, val_tokens):
+        h.update(np.asarray(tokens[np.linspace(0, max(len(tokens) - 1, 0), 4096).astype(np.int64)]).tobytes()
+                 if len(tokens) else b"")
+    return f"{len(train_tokens)}+{len(val_tokens)} tokens, sha1 {h.hexdigest()[:16]}"
 
 
 def repair_log(path):
@@ -245,6 +262,9 @@ def main(argv=None):
     lock = None
     try:
         cfg, given = parse_args(sys.argv[1:] if argv is None else argv, usage=__doc__)
+        if cfg.init_from and "model_size" in given:
+            raise ValueError(f"--model_size {cfg.model_size}: with --init_from the model is the checkpoint's own; "
+                             f"drop --model_size")
         ckpt = None
         if cfg.resume:
             cfg, ckpt = resume_config(cfg, given)
@@ -309,9 +329,9 @@ def train(cfg, ckpt=None):
     init_model = None
     if cfg.init_from and not ckpt:
         init_model = Bert.from_pretrained(cfg.init_from)
-        if not cfg.tokenizer and os.path.isdir(cfg.init_from) and any(
-                os.path.isfile(os.path.join(cfg.init_from, f)) for f in ("tokenizer.json", "vocab.txt")):
-            cfg.tokenizer = cfg.init_from  # the vocabulary the weights were trained with
+        init_dir = cfg.init_from if os.path.isdir(cfg.init_from) else os.path.dirname(cfg.init_from)  # or a ckpt.pt's
+        if not cfg.tokenizer and any(os.path.isfile(os.path.join(init_dir, f)) for f in ("tokenizer.json", "vocab.txt")):
+            cfg.tokenizer = init_dir  # the vocabulary the weights were trained with
     max_pos = init_model.config.max_position_embeddings if init_model else 512
     if cfg.seq_len > max_pos:
         raise ValueError(f"seq_len {cfg.seq_len} exceeds the model's max_position_embeddings {max_pos}")
@@ -335,6 +355,10 @@ def train(cfg, ckpt=None):
     if ddp and master:
         dist.barrier(group=data_group)
     special = data.special_token_ids(tok)
+    fingerprint = data_fingerprint(train_tokens, val_tokens)
+    if ckpt and ckpt.get("data", fingerprint) != fingerprint:  # (checkpoints before this check have none)
+        raise ValueError(f"--resume {cfg.out_dir}: --data {cfg.data} is not the data this run was trained on (then "
+                         f"{ckpt['data']}, now {fingerprint}): the files were edited, replaced or moved")
     loader_args = dict(seq_len=cfg.seq_len, cls_id=special["cls"], sep_id=special["sep"], device=device)
     train_loader = data.BlockLoader(train_tokens, batch_size=cfg.batch_size, rank=rank, world_size=world,
                                     seed=cfg.seed, **loader_args)
@@ -352,7 +376,7 @@ def train(cfg, ckpt=None):
         mine = (init_model.config.vocab_size, init_model.config.mask_token_id, init_model.config.cls_token_id)
         if mine != (model_config.vocab_size, special["mask"], special["cls"]):
             raise ValueError(f"--init_from {cfg.init_from}: its vocabulary (size {mine[0]}) does not match the "
-                             f"tokenizer's (size {model_config.vocab_size}); pass --tokenizer {cfg.init_from}")
+                             f"tokenizer's (size {model_config.vocab_size}); pass --tokenizer {init_dir}")
         model_config = replace(init_model.config, dropout=cfg.dropout)
     model = Bert(model_config)
     if init_model:
@@ -470,7 +494,8 @@ def train(cfg, ckpt=None):
         model.save_pretrained(cfg.out_dir, mlm_head=trains_head, step=step)
         atomic_save(dict(model=model.state_dict(), model_config=asdict(model_config), objective=objective.state_dict(),
                          optimizer=optimizer.state_dict(), scaler=scaler.state_dict(), step=step,
-                         loader=train_loader.state_dict(), config=asdict(cfg)), os.path.join(cfg.out_dir, "ckpt.pt"))
+                         loader=train_loader.state_dict(), config=asdict(cfg), data=fingerprint),
+                    os.path.join(cfg.out_dir, "ckpt.pt"))
         saved_step = step
 
     def run_eval():
