@@ -811,18 +811,17 @@ def read_log(path):
     and unparsable lines (a run killed mid-write) are skipped; a resumed run's repeated
     steps keep the latest value."""
     series = {}
-    with open(path) as f:
-        for line in f:
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if not isinstance(record, dict) or "step" not in record:
-                continue
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool) \
-                        and math.isfinite(value):
-                    series.setdefault(key, {})[record["step"]] = value
+    for line in data.read_text(path).splitlines():  # not UTF-8: one error naming file and line
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(record, dict) or type(record.get("step")) is not int:
+            continue
+        for key, value in record.items():
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool) \
+                    and math.isfinite(value):
+                series.setdefault(key, {})[record["step"]] = value
     return {key: (sorted(points), [points[s] for s in sorted(points)]) for key, points in series.items()}
 
 

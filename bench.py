@@ -50,7 +50,7 @@ import torch
 
 from losses import LOSSES, eligible_positions, generator_config
 from model import Bert, BertConfig, MODEL_PRESETS, config_to_hf
-from config import Parser, TrainConfig
+from config import Parser, TrainConfig, dir_problem
 from train import Pretrainer, configure_optimizer, gpu_peak_flops
 
 
@@ -389,9 +389,18 @@ def main(argv=None):
     for size in sizes:
         if size not in MODEL_PRESETS:
             p.error(f"unknown model size {size!r} (choose from {', '.join(MODEL_PRESETS)})")
-    for name in ("batch_size", "seq_len", "steps", "profile_steps"):
+    for name in ("batch_size", "seq_len", "steps", "profile_steps", "taco_negatives"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1")
+    if args.warmup < 0:
+        p.error(f"--warmup {args.warmup}: must be >= 0")
+    if not 0 <= args.dropout < 1:  # NaN fails too
+        p.error(f"--dropout {args.dropout}: must be in [0, 1)")
+    for flag, path in (("json", os.path.dirname(os.path.abspath(args.json)) if args.json else ""),
+                       ("out_dir", args.out_dir if args.profile else "")):
+        problem = path and dir_problem(path)
+        if problem:
+            p.error(f"--{flag} {getattr(args, flag)}: {path} {problem}")
     if args.seq_len > BertConfig.max_position_embeddings:
         p.error(f"--seq_len {args.seq_len} exceeds max_position_embeddings {BertConfig.max_position_embeddings}")
     if args.hf:
@@ -406,6 +415,8 @@ def main(argv=None):
         p.error(f"--device {args.device}: {e}")
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error(f"--device {args.device}: this torch sees no CUDA GPU")
+    if device.type not in ("cuda", "cpu"):
+        p.error(f"--device {args.device}: bench.py times cpu or cuda")
     if device.type != "cuda":
         args.compile = 0  # CPU runs stay eager, as in train.py
     if args.interleave and (device.type == "cuda" or args.profile):

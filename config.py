@@ -236,7 +236,7 @@ def validate(cfg):
         v = getattr(cfg, name)
         need((v >= low if low_in else v > low) and (v <= high if high_in else v < high), name,
              f"must be in {'[(' [not low_in]}{low}, {high}{')]'[high_in]}")
-    need(cfg.seed < 2 ** 63, "seed", "must be < 2**63 (torch seeds are 64-bit)")
+    need(cfg.seed < 2 ** 64, "seed", "must be < 2**64 (torch seeds are unsigned 64-bit integers)")
     need(cfg.data.strip(), "data", "must name a file, a directory, a glob or a hub dataset")
     need(cfg.warmup_steps <= cfg.max_steps, "warmup_steps", f"must be <= --max_steps {cfg.max_steps}")
     need(cfg.objective != "taco" or (cfg.negative_pool or cfg.batch_size) >= 2, "batch_size",
@@ -255,7 +255,8 @@ def validate(cfg):
     need(cfg.device != "mps" or torch.backends.mps.is_available(), "device", "MPS is not available on this machine")
     for name in ("out_dir", "cache_dir"):
         need(dir_problem(getattr(cfg, name)) is None, name, dir_problem(getattr(cfg, name)))
-    init_dir = cfg.init_from if os.path.isdir(cfg.init_from) else os.path.dirname(cfg.init_from)
+    need(not cfg.init_from or os.path.exists(cfg.init_from), "init_from", "no such file or directory")
+    init_dir = cfg.init_from if os.path.isdir(cfg.init_from) else os.path.dirname(cfg.init_from) or "."
     if cfg.init_from and os.path.realpath(init_dir) == os.path.realpath(cfg.out_dir):
         raise ValueError(f"--out_dir {cfg.out_dir} is where --init_from {cfg.init_from} is: the run would overwrite "
                          f"the weights it starts from; choose another --out_dir")

@@ -358,8 +358,11 @@ def config_from_hf(hf, vocab_file=None):
     specials = dict(unk_token_id="[UNK]", cls_token_id="[CLS]", sep_token_id="[SEP]", mask_token_id="[MASK]")
     vocab = None
     if not all(k in hf for k in specials) and vocab_file and os.path.isfile(vocab_file):
-        with open(vocab_file, encoding="utf-8") as f:
-            vocab = {line.rstrip("\n"): i for i, line in enumerate(f)}
+        try:
+            with open(vocab_file, encoding="utf-8") as f:
+                vocab = {line.rstrip("\n"): i for i, line in enumerate(f)}
+        except UnicodeDecodeError:
+            raise ValueError(f"{vocab_file} is not UTF-8 text") from None
     for key, token in specials.items():
         if key in hf:
             values[key] = hf[key]

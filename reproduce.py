@@ -96,12 +96,14 @@ def read_log(path):
     header, train, evals = {}, {}, {}
     if not os.path.isfile(path):
         return header, [], []
-    with open(path) as f:
+    with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
             try:
                 rec = json.loads(line)
             except ValueError:
                 continue  # a line cut short by a kill
+            if not isinstance(rec, dict):
+                continue  # not a record of ours (an edited or corrupt log)
             if "config" in rec:
                 header = rec
             elif "step" in rec:
@@ -140,11 +142,13 @@ def mean_std(values):
 
 
 def read_json(path):
+    """A JSON object this script or eval.py wrote, or None when it is missing, unreadable or not an object."""
     try:
-        with open(path) as f:
-            return json.load(f)
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
     except (OSError, ValueError):
         return None
+    return obj if isinstance(obj, dict) else None
 
 
 def run_finished(run_dir, steps):
@@ -192,7 +196,7 @@ def save_json(obj, path):
 def note_time(run_dir, stage, seconds):
     """Subprocess wall-clock per stage (start-up, tokenization and compile included), summed over calls."""
     path = os.path.join(run_dir, "reproduce_time.json")
-    times = read_json(path) or {}
+    times = {k: v for k, v in (read_json(path) or {}).items() if isinstance(v, (int, float))}
     times[stage] = times.get(stage, 0.0) + seconds
     save_json(times, path)
 
@@ -205,6 +209,10 @@ def pretrain(args, scale, name, objective, steps, extra):
     if os.path.isfile(os.path.join(run_dir, "ckpt.pt")):
         cmd = [args.python, "train.py", "--resume", run_dir, "--max_steps", str(steps)]  # a killed run goes on
     else:
+        _, _, evals = read_log(os.path.join(run_dir, "log.jsonl"))
+        if evals and evals[-1]["step"] > 0:  # it trained and saved: deleting it would lose work
+            sys.exit(f"error: {run_dir} has trained to step {evals[-1]['step']} but its ckpt.pt is gone: put it "
+                     f"back to continue, or delete the directory to pretrain {name} again")
         if os.path.isdir(run_dir) and not args.dry_run:  # a run killed before its first checkpoint
             shutil.rmtree(run_dir)
         # 10% warm-up, then linear decay to 0 (continuations too: `steps` is theirs)
@@ -298,6 +306,8 @@ def collect(args, runs):
         report = read_json(os.path.join(run_dir, "glue.json")) or {}
         tasks = {}
         for task, t in (report.get("tasks") or {}).items():
+            if task not in results["tasks"] or not isinstance(t, dict):  # the Avg is over the tasks asked for
+                continue
             if t.get("status") != "ok":
                 tasks[task] = dict(status=t.get("status"), reason=t.get("reason"))
                 continue
@@ -485,10 +495,25 @@ def main(argv=None):
     p.add_argument("--python", default=sys.executable, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     scale = SCALES[args.scale]
+    for flag in ("steps", "extra_steps"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            p.error(f"--{flag} {getattr(args, flag)}: must be >= 1")
     steps = args.steps or scale["steps"]
     extra_steps = args.extra_steps or scale["extra_steps"]
-    args.tasks = args.tasks or scale["tasks"]
+    # eval.py's spelling ("STS-B" -> "stsb"), checked here: a bad name must not cost the pretraining first
+    args.tasks = ",".join(t.strip().lower().replace("-", "") for t in (args.tasks or scale["tasks"]).split(",")
+                          if t.strip())
+    unknown = [t for t in args.tasks.split(",") if t not in PRIMARY]
+    if unknown or not args.tasks:
+        p.error(f"--tasks: unknown GLUE task {(unknown or [''])[0]!r} (choose from {', '.join(PRIMARY)})")
     args.seeds = args.seeds or scale["seeds"]
+    seeds = args.seeds.split(",")
+    if not all(x.strip().isdigit() for x in seeds) or len(set(seeds)) != len(seeds):
+        p.error(f"--seeds {args.seeds}: expected distinct comma-separated integers >= 0, e.g. 1,2")
+    if args.glue_dir and not os.path.isdir(args.glue_dir):
+        p.error(f"--glue_dir {args.glue_dir}: not a directory")
+    if not args.out_dir.strip() or os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
+        p.error(f"--out_dir {args.out_dir!r}: must name a directory")
     args.cache_dir = args.cache_dir or os.path.join(args.out_dir, "cache")
     for name in ("data", "glue_dir", "out_dir", "cache_dir"):  # subprocesses run in this file's folder
         value = getattr(args, name)
@@ -506,9 +531,23 @@ def main(argv=None):
     bad = [o for o in only if o not in STAGES + SCRATCH + list(CONTINUED)]
     if bad:
         p.error(f"--only: unknown stage or run {bad[0]!r}")
+    outside = [o for o in only if o not in STAGES and o not in runs]
+    if outside:
+        p.error(f"--only {outside[0]}: not one of the runs of --objectives {args.objectives} ({', '.join(runs)})")
     stages = [s for s in only if s in STAGES] or STAGES
     selected = [r for r in runs if r in only] or runs
     os.makedirs(args.out_dir, exist_ok=True)
+    # every call on an out_dir must mean the same runs: a skipped stage must not pass off another setting's output
+    settings = dict(scale=args.scale, data=args.data, seed=args.seed, steps=steps, extra_steps=extra_steps,
+                    tasks=args.tasks, seeds=args.seeds)
+    path = os.path.join(args.out_dir, "reproduce.json")
+    before = read_json(path)
+    if before is None and not args.dry_run:
+        save_json(settings, path)
+    elif before is not None and before != settings:
+        changed = ", ".join(f"{k} {before.get(k)!r} -> {v!r}" for k, v in settings.items() if before.get(k) != v)
+        p.error(f"--out_dir {args.out_dir} holds a reproduction made with other settings ({changed}): use another "
+                f"--out_dir, or the same flags")
 
     t0 = time.time()
     if "pretrain" in stages:

@@ -436,6 +436,12 @@ def test_plot_logs(tmp_path):
                         "contextual_score", "wordsim_cooc_sim"}
     path = A.plot_logs([a, b], str(tmp_path / "plots"))
     assert path == str(tmp_path / "plots" / "training_curves.png") and os.path.getsize(path) > 0
+    with open(b, "a") as f:  # records no run of ours writes: a step that is not an integer is skipped
+        f.write('\n{"step": [1], "loss": 2}\n{"step": "x", "loss": 3}\n{"step": true, "loss": 4}\n')
+    assert A.read_log(b)["loss"][0] == list(range(10, 110, 10))
+    (tmp_path / "binary.jsonl").write_bytes(b'{"step": 1, "loss": 2}\n\xff\xfe\n')
+    with pytest.raises(ValueError, match=r"binary.jsonl:2: not UTF-8"):
+        A.read_log(str(tmp_path / "binary.jsonl"))
 
 
 def test_cli_plot_log_and_analysis(tok, tmp_path):

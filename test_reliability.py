@@ -76,7 +76,7 @@ BAD_VALUES = [
     ("beta2", "1"), ("dropout", "1"), ("val_fraction", "0.9"), ("val_fraction", "-0.1"), ("negative_pool", "-1"),
     ("taco_anchors", "some"), ("gen_shape", "bart"), ("model_size", "huge"), ("objective", "bogus"),
     ("taco_weight", "-1"), ("out_dir", ""), ("out_dir", "FILE"), ("out_dir", "FILE/run"), ("cache_dir", "FILE"),
-    ("seed", "-1"), ("seed", str(2 ** 64)), ("data", ""), ("data", " "),
+    ("seed", "-1"), ("seed", str(2 ** 64)), ("data", ""), ("data", " "), ("init_from", "FILE/missing"),
 ]
 if not torch.cuda.is_available():
     BAD_VALUES.append(("device", "cuda"))

@@ -121,14 +121,65 @@ def test_bad_only_is_one_line(tmp_path):
     assert proc.returncode == 2 and "unknown stage or run 'pretrian'" in proc.stderr
 
 
+def reproduce_error(argv, tmp_path):
+    proc = subprocess.run([sys.executable, "reproduce.py", *argv], cwd=HERE, capture_output=True, text=True,
+                          timeout=60)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode != 0 and len(lines) == 1 and lines[0].startswith("error:"), proc.stderr
+    return lines[0]
+
+
+def test_bad_input_is_refused_before_any_work(tmp_path):
+    out = tmp_path / "repro"
+    for argv, needle in ((["--tasks", "cola,bogus"], "unknown GLUE task 'bogus'"), (["--seeds", "1,x"], "--seeds"),
+                         (["--steps", "0"], "--steps 0"), (["--glue_dir", str(tmp_path / "nowhere")], "--glue_dir"),
+                         (["--objectives", "taco", "--only", "mlm"], "not one of the runs")):
+        assert needle in reproduce_error([*argv, "--out_dir", str(out)], tmp_path)
+    assert not (out / "mlm").exists()
+    (tmp_path / "file").write_text("x")
+    assert "must name a directory" in reproduce_error(["--out_dir", str(tmp_path / "file")], tmp_path)
+    # an out_dir made with other settings is refused, whatever the stage: its outputs would pass for this one's
+    out.mkdir()
+    (out / "reproduce.json").write_text(json.dumps(dict(scale="toy", data="", seed=1337, steps=20, extra_steps=10,
+                                                        tasks="cola,stsb", seeds="1,2")))
+    line = reproduce_error(["--out_dir", str(out), "--tasks", "CoLA,STS-B", "--seed", "7", "--only", "report"],
+                           tmp_path)
+    assert "other settings (seed 1337 -> 7)" in line  # task names are compared in eval.py's spelling
+
+
+def test_a_finished_run_without_its_checkpoint_is_kept(tmp_path):
+    out = tmp_path / "repro"
+    (out / "mlm").mkdir(parents=True)
+    (out / "reproduce.json").write_text(json.dumps(dict(scale="toy", data="", seed=1337, steps=20, extra_steps=10,
+                                                        tasks="cola,stsb", seeds="1,2")))
+    (out / "mlm" / "log.jsonl").write_text(json.dumps({"step": 20, "val_mlm_loss": 6.0}) + "\n")
+    (out / "mlm" / "glue.json").write_text("{}")
+    line = reproduce_error(["--out_dir", str(out), "--only", "pretrain,mlm"], tmp_path)
+    assert "ckpt.pt is gone" in line and (out / "mlm" / "glue.json").exists()
+
+
+def test_corrupt_outputs_are_missing_cells_not_crashes(tmp_path):
+    run = tmp_path / "mlm"
+    run.mkdir()
+    (run / "log.jsonl").write_bytes(b'{"config": {"objective": "mlm"}}\nnull\n[1]\n\xff\xfe x\n'
+                                    b'{"step": 5, "val_mlm_loss": 7.0}\n')
+    (run / "glue.json").write_text('"oops"')
+    (run / "reproduce_time.json").write_text("[1]")
+    args = reproduce.argparse.Namespace(scale="toy", data="", seed=1, tasks="cola", seeds="1", out_dir=str(tmp_path))
+    r = reproduce.collect(args, ["mlm"])["runs"]["mlm"]
+    assert r["steps"] == 5 and r["glue"]["tasks"] == {} and r["process_s"] is None
+    reproduce.note_time(str(run), "glue", 2.0)
+    assert json.loads((run / "reproduce_time.json").read_text()) == {"glue": 2.0}
+
+
 @pytest.mark.parametrize("scale", list(reproduce.SCALES))
 @pytest.mark.parametrize("objective", ["mlm", "taco", "cocolm", "electra", "tacl"])
-def test_scale_flags_are_a_valid_run(scale, objective):
+def test_scale_flags_are_a_valid_run(scale, objective, tmp_path):
     """Every scale's train.py flags make a valid run for every objective on one process (mini is one
     GPU): a layout error found here costs nothing, found on the GPU it costs device time."""
     import config
     import train
-    extra = ["--init_from", "out/mlm"] if objective == "tacl" else []
+    extra = ["--init_from", str(tmp_path)] if objective == "tacl" else []  # validate() checks it exists
     cfg, _ = config.parse_args(["--objective", objective, *reproduce.SCALES[scale]["train"], *extra])
     cfg.device = "cpu"  # validate() checks the device exists; the GPU scale's flags leave it at auto
     config.validate(cfg)

@@ -329,7 +329,7 @@ def train(cfg, ckpt=None):
     init_model = None
     if cfg.init_from and not ckpt:
         init_model = Bert.from_pretrained(cfg.init_from)
-        init_dir = cfg.init_from if os.path.isdir(cfg.init_from) else os.path.dirname(cfg.init_from)  # or a ckpt.pt's
+        init_dir = cfg.init_from if os.path.isdir(cfg.init_from) else os.path.dirname(cfg.init_from) or "."  # a ckpt.pt's
         if not cfg.tokenizer and any(os.path.isfile(os.path.join(init_dir, f)) for f in ("tokenizer.json", "vocab.txt")):
             cfg.tokenizer = init_dir  # the vocabulary the weights were trained with
     max_pos = init_model.config.max_position_embeddings if init_model else 512
