@@ -256,8 +256,7 @@ def validate(cfg):
     for name in ("out_dir", "cache_dir"):
         need(dir_problem(getattr(cfg, name)) is None, name, dir_problem(getattr(cfg, name)))
     need(not cfg.init_from or os.path.exists(cfg.init_from), "init_from", "no such file or directory")
-    init_dir = cfg.init_from if os.path.isdir(cfg.init_from) else os.path.dirname(cfg.init_from) or "."
-    if cfg.init_from and os.path.realpath(init_dir) == os.path.realpath(cfg.out_dir):
+    if cfg.init_from and os.path.realpath(init_dir(cfg.init_from)) == os.path.realpath(cfg.out_dir):
         raise ValueError(f"--out_dir {cfg.out_dir} is where --init_from {cfg.init_from} is: the run would overwrite "
                          f"the weights it starts from; choose another --out_dir")
     if not cfg.resume and os.path.isfile(os.path.join(cfg.out_dir, "ckpt.pt")):
@@ -271,6 +270,11 @@ class Parser(argparse.ArgumentParser):
     def error(self, message):
         print(f"error: {message}", file=sys.stderr)
         sys.exit(2)
+
+
+def init_dir(init_from):
+    """The directory of --init_from: itself, or a ckpt.pt's folder (where its tokenizer is)."""
+    return init_from if os.path.isdir(init_from) else os.path.dirname(init_from) or "."
 
 
 def dir_problem(path):

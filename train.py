@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from config import parse_args, resume_config, saved_config, validate
+from config import init_dir, parse_args, resume_config, saved_config, validate
 from model import Bert, BertConfig, MODEL_PRESETS, write_atomic
 
 
@@ -329,9 +329,9 @@ def train(cfg, ckpt=None):
     init_model = None
     if cfg.init_from and not ckpt:
         init_model = Bert.from_pretrained(cfg.init_from)
-        init_dir = cfg.init_from if os.path.isdir(cfg.init_from) else os.path.dirname(cfg.init_from) or "."  # a ckpt.pt's
-        if not cfg.tokenizer and any(os.path.isfile(os.path.join(init_dir, f)) for f in ("tokenizer.json", "vocab.txt")):
-            cfg.tokenizer = init_dir  # the vocabulary the weights were trained with
+        weights_dir = init_dir(cfg.init_from)
+        if not cfg.tokenizer and any(os.path.isfile(os.path.join(weights_dir, f)) for f in ("tokenizer.json", "vocab.txt")):
+            cfg.tokenizer = weights_dir  # the vocabulary the weights were trained with
     max_pos = init_model.config.max_position_embeddings if init_model else 512
     if cfg.seq_len > max_pos:
         raise ValueError(f"seq_len {cfg.seq_len} exceeds the model's max_position_embeddings {max_pos}")
@@ -376,7 +376,7 @@ def train(cfg, ckpt=None):
         mine = (init_model.config.vocab_size, init_model.config.mask_token_id, init_model.config.cls_token_id)
         if mine != (model_config.vocab_size, special["mask"], special["cls"]):
             raise ValueError(f"--init_from {cfg.init_from}: its vocabulary (size {mine[0]}) does not match the "
-                             f"tokenizer's (size {model_config.vocab_size}); pass --tokenizer {init_dir}")
+                             f"tokenizer's (size {model_config.vocab_size}); pass --tokenizer {init_dir(cfg.init_from)}")
         model_config = replace(init_model.config, dropout=cfg.dropout)
     model = Bert(model_config)
     if init_model:
