@@ -77,6 +77,7 @@ class TrainConfig:
 
 # small / base are TACO's Table 5 (App. A), the pretraining recipe of both MLM and TACO. The official
 # scripts differ (256 sequences x 4 accumulation x 2 GPUs = 2,048 per step); we follow the paper.
+# Deviations: bf16 where the paper has fp16; our own 30,522-piece WordPiece, not bert-base-uncased's.
 PAPER_RECIPE = dict(seq_len=256, vocab_size=30522, tokens_per_step=1280 * 256, lr=1e-4, beta2=0.999, adam_eps=1e-8,
                     weight_decay=0.01, grad_clip=1.0, dropout=0.1, mask_prob=0.15, data=HUB_CORPUS,
                     batch_size=80, negative_pool=80, log_interval=100, eval_batches=20)

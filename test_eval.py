@@ -599,3 +599,22 @@ def test_base_protocol_end_to_end(tmp_path, tiny_model_dir):
     best = max(cola["runs"], key=lambda label: cola["runs"][label]["scores"]["mcc"])
     assert cola["predicted_by"] == best  # the test set is predicted by the best combination on dev
     assert "mean of 2 combinations x 1 seed" in (out / "glue.md").read_text()
+
+
+@pytest.mark.parametrize("predict_seed, chosen", [(None, 2), (3, 3)])
+def test_best_run_on_dev_predicts_the_test_set(tmp_path, tiny_model_dir, monkeypatch, predict_seed, chosen):
+    # TACO Tables 1 and 4: test scores come from the run that is best on dev, of any seed
+    mcc = {1: 10.0, 2: 30.0, 3: 20.0}
+
+    def fake_finetune(base, task, data, hp, seed, *args):
+        model = torch.nn.Linear(1, 1)
+        model.seed = seed
+        return model, [dict(scores=dict(mcc=mcc[seed]), collapsed=False)]
+    monkeypatch.setattr(ev, "finetune", fake_finetune)
+    monkeypatch.setattr(ev, "predict", lambda model, enc, *a, **k: np.full(len(enc.lengths), model.seed % 2))
+    out = tmp_path / "out"
+    ev.main(["--model", str(tiny_model_dir), "--glue_dir", str(write_glue(tmp_path / "glue")), "--tasks", "cola",
+             "--seeds", "1,2,3", "--predict", "--out", str(out)]
+            + ([] if predict_seed is None else ["--predict_seed", str(predict_seed)]))
+    assert json.loads((out / "glue.json").read_text())["tasks"]["cola"]["predicted_by"] == f"seed {chosen}"
+    assert {v for _, v in read_submission(out / "CoLA.tsv")} == {str(chosen % 2)}
