@@ -29,6 +29,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from config import init_dir, parse_args, resume_config, saved_config, validate
+from losses import LOSSES, generator_config
 from model import Bert, BertConfig, MODEL_PRESETS, write_atomic
 
 
@@ -221,12 +222,49 @@ def duration(seconds):
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
 
 
-def flops_per_token(config, seq_len, mask_prob):
-    """Training FLOPs per token of an MLM step (fwd + bwd = 3x fwd, 2 FLOPs per MAC):
-    6 * (4 D^2 + 2 D F) per layer for the matmuls, 12 * T * D per layer for attention scores
-    and values, and the head (D^2 transform + D*V decoder) on the mask_prob share of tokens only."""
+def objective_flops_per_token(objective, config, cfg, seq_len):
+    """Model FLOPs per token of one training step, counting what the objective computes.
+    A forward costs 2 FLOPs per multiply-add, a backward twice the forward (so 6 per MAC trained,
+    2 per MAC run without grad). Per token and per layer: 4 D^2 + 2 D F matmul MACs, 2 T D for
+    attention (QK^T and AV). The MLM head costs D^2 + D V MACs on the mask_prob share of tokens.
+      mlm      6 * (L * (4D^2 + 2DF + 2TD) + p (D^2 + DV))
+      taco     mlm + 6 * (K + 1) * D           (cosines of every anchor with 1 positive, K negatives)
+      tacl     mlm + 2 * L * (...)             (teacher forward, no grad) + 6 * p * T * D (scores)
+      electra  6 * gen + 6 * L * (...) + 6 (D^2 + D)                   (generator + disc. head)
+      cocolm   6 * gen + 6 * (L * (...) + T_c / T * L * (...)[T = T_c] + p D V + D + 2 D^2 / T)
+               + 2 * gen if dropout > 0  (x^MLM; the crop view of T_c = 2 + round(0.9 (T - 2)) tokens;
+               LM head, no transform; copy head; SCL head on the two [CLS]; the dropout-off sampling
+               forward, no grad)
+    gen is the generator's forward MACs at losses.generator_config's width d, FFN F_g and depth G:
+      gen = D d (the embeddings projection, if d != D) + G (4d^2 + 2d F_g + 2Td) + p (d D + D V)
+    (its head's dense maps d -> D for the tied decoder). ELECTRA samples from its training
+    forward, so it pays no extra pass."""
     L, D, F, V = config.num_layers, config.hidden_size, config.intermediate_size, config.padded_vocab_size
-    return 6 * L * (4 * D * D + 2 * D * F) + 12 * L * seq_len * D + 6 * (D * D + D * V) * mask_prob
+    p = cfg.mask_prob
+    layer = 4 * D * D + 2 * D * F + 2 * seq_len * D
+    mlm_head = p * (D * D + D * V)
+    if objective == "mlm":
+        return 6 * (L * layer + mlm_head)
+    if objective == "taco":
+        return 6 * (L * layer + mlm_head + (cfg.taco_negatives + 1) * D)
+    if objective == "tacl":
+        return 6 * (L * layer + mlm_head + p * seq_len * D) + 2 * L * layer
+    if objective not in ("electra", "cocolm"):
+        raise ValueError(f"unknown objective {objective!r}")
+    gen_config, G = generator_config(cfg, config)
+    d, gen_ffn = gen_config.hidden_size, gen_config.intermediate_size
+    gen = ((D * d if d != D else 0) + G * (4 * d * d + 2 * d * gen_ffn + 2 * seq_len * d)
+           + p * (d * D + D * V))
+    if objective == "electra":
+        return 6 * gen + 6 * (L * layer + D * D + D)
+    # Generator.forward reruns the generator without dropout to sample when the model has dropout
+    sampling_pass = 2 * gen if config.dropout > 0 else 0
+    # the crop view of a packed block is cut to 2 + round(crop_fraction (T - 2)) tokens (losses.crop_views)
+    crop_len = 2 + round((seq_len - 2) * cfg.cocolm_crop_fraction)
+    crop_layer = 4 * D * D + 2 * D * F + 2 * crop_len * D
+    views = L * layer + crop_len / seq_len * L * crop_layer
+    # the LM head decodes with the unpadded embedding rows, no transform
+    return 6 * gen + sampling_pass + 6 * (views + p * D * config.vocab_size + D + 2 * D * D / seq_len)
 
 
 def gpu_peak_flops(device):
@@ -304,7 +342,6 @@ def train(cfg, ckpt=None):
     """The run. Returns 0, or 128 + the signal number when SIGINT / SIGTERM stopped it."""
     import data
     from analysis import contextual_score, wordsim_similarity
-    from losses import LOSSES
 
     # ---- distributed setup: torchrun sets RANK / WORLD_SIZE / LOCAL_RANK
     ddp = "RANK" in os.environ
@@ -537,7 +574,7 @@ def train(cfg, ckpt=None):
 
     handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     peak = gpu_peak_flops(device) if device_type == "cuda" else None
-    flops = flops_per_token(model_config, cfg.seq_len, cfg.mask_prob)
+    flops = objective_flops_per_token(cfg.objective, model_config, cfg, cfg.seq_len)
     first_step, t0 = step, time.time()
     t_log, tokens_since_log = t0, 0
     metrics = {}
