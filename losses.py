@@ -1,5 +1,6 @@
 """
-Pretraining objectives, one nn.Module each, built as LOSSES[name](model, cfg) and called as
+Pretraining objectives, one nn.Module each, built as LOSSES[name](model, cfg) (cfg: config.TrainConfig,
+where each hyperparameter's default and source are) and called as
 `loss, metrics = objective(model, batch, gen)`: MLM (Devlin et al., 2019), TACO (Fu et al., ACL 2022),
 TaCL (Su et al., Findings of NAACL 2022), COCO-LM (Meng et al., NeurIPS 2021) and ELECTRA (Clark et
 al., ICLR 2020). Each docstring names its equations; every deviation from an official implementation
@@ -189,8 +190,8 @@ class MLM(nn.Module):
 
     def __init__(self, model, cfg):
         super().__init__()
-        self.mask_prob = getattr(cfg, "mask_prob", 0.15)
-        self.predict_all = getattr(cfg, "mlm_predict_all", False)
+        self.mask_prob = cfg.mask_prob
+        self.predict_all = cfg.mlm_predict_all
 
     def forward(self, model, batch, gen):
         x, attention_mask = batch["input_ids"], batch.get("attention_mask")
@@ -306,16 +307,16 @@ class TACO(nn.Module):
 
     def __init__(self, model, cfg):
         super().__init__()
-        self.mask_prob = getattr(cfg, "mask_prob", 0.15)
-        self.predict_all = getattr(cfg, "mlm_predict_all", False)
-        self.window = getattr(cfg, "taco_window", 5)
-        self.num_negatives = getattr(cfg, "taco_negatives", 50)
-        self.temperature = getattr(cfg, "taco_temperature", 0.07)
-        self.weight = getattr(cfg, "taco_weight", 1.0)
-        self.anchors = getattr(cfg, "taco_anchors", "all")
-        self.stop_grad = getattr(cfg, "taco_stop_grad", True)
-        self.negative_pool = getattr(cfg, "negative_pool", 0)
-        self.fused_scoring = getattr(cfg, "compile", False)  # on CUDA only, as train.py's compile
+        self.mask_prob = cfg.mask_prob
+        self.predict_all = cfg.mlm_predict_all
+        self.window = cfg.taco_window
+        self.num_negatives = cfg.taco_negatives
+        self.temperature = cfg.taco_temperature
+        self.weight = cfg.taco_weight
+        self.anchors = cfg.taco_anchors
+        self.stop_grad = cfg.taco_stop_grad
+        self.negative_pool = cfg.negative_pool
+        self.fused_scoring = cfg.compile  # on CUDA only, as train.py's compile
         if self.anchors not in ("all", "masked"):
             raise ValueError(f"taco_anchors must be 'all' or 'masked', got {self.anchors!r}")
 
@@ -364,13 +365,13 @@ class TaCL(nn.Module):
 
     def __init__(self, model, cfg):
         super().__init__()
-        if not getattr(cfg, "init_from", ""):
+        if not cfg.init_from:
             raise ValueError("TaCL continues pretraining from a trained model and needs --init_from: first "
                              "`python train.py --objective mlm ... --out_dir out/mlm`, then "
                              "`python train.py --objective tacl --init_from out/mlm ...`")
-        self.mask_prob = getattr(cfg, "mask_prob", 0.15)
-        self.predict_all = getattr(cfg, "mlm_predict_all", False)
-        self.temperature = getattr(cfg, "tacl_temperature", 0.01)
+        self.mask_prob = cfg.mask_prob
+        self.predict_all = cfg.mlm_predict_all
+        self.temperature = cfg.tacl_temperature
         # kept in state_dict on purpose: a resumed run must get the starting weights back, not the current ones
         self.teacher = copy.deepcopy(model).requires_grad_(False).eval()
 
@@ -416,7 +417,7 @@ def generator_config(cfg, config):
     "cocolm": the main width, max(1, round(L/3)) layers (COCO-LM §4: 4 for base).
     "electra": L layers at 1/4 of the width (1/3 for base), heads = width/64, FFN = 4x width
     (ELECTRA §3.2 and Table 6: 1/4 small and large, 1/3 base; official get_generator_config)."""
-    shape = getattr(cfg, "gen_shape", "cocolm")
+    shape = cfg.gen_shape
     if shape == "cocolm":
         gen_config, num_layers = config, max(1, round(config.num_layers / 3))
     elif shape == "electra":
@@ -428,7 +429,7 @@ def generator_config(cfg, config):
         num_layers = config.num_layers
     else:
         raise ValueError(f"gen_shape must be 'cocolm' or 'electra', got {shape!r}")
-    return gen_config, getattr(cfg, "gen_layers", 0) or num_layers
+    return gen_config, cfg.gen_layers or num_layers
 
 
 class Generator(nn.Module):
@@ -538,11 +539,11 @@ class COCOLM(nn.Module):
     def __init__(self, model, cfg):
         super().__init__()
         config, D = model.config, model.config.hidden_size
-        self.mask_prob = getattr(cfg, "mask_prob", 0.15)
-        self.copy_weight = getattr(cfg, "cocolm_copy_weight", 50.0)
-        self.scl_temperature = getattr(cfg, "cocolm_scl_temperature", 1.0)
-        self.crop_fraction = getattr(cfg, "cocolm_crop_fraction", 0.9)
-        self.negative_pool = getattr(cfg, "negative_pool", 0)
+        self.mask_prob = cfg.mask_prob
+        self.copy_weight = cfg.cocolm_copy_weight
+        self.scl_temperature = cfg.cocolm_scl_temperature
+        self.crop_fraction = cfg.cocolm_crop_fraction
+        self.negative_pool = cfg.negative_pool
         self.generator = Generator(config, cfg, sample_dropout_off=True)
         self.copy_head = nn.Linear(D, 1)
         self.lm_bias = nn.Parameter(torch.zeros(config.vocab_size))
@@ -601,8 +602,8 @@ class ELECTRA(nn.Module):
     def __init__(self, model, cfg):
         super().__init__()
         config, D = model.config, model.config.hidden_size
-        self.mask_prob = getattr(cfg, "mask_prob", 0.15)
-        self.disc_weight = getattr(cfg, "electra_disc_weight", 50.0)
+        self.mask_prob = cfg.mask_prob
+        self.disc_weight = cfg.electra_disc_weight
         self.generator = Generator(config, cfg, sample_dropout_off=False)
         self.disc_head = nn.Sequential(nn.Linear(D, D), nn.GELU(), nn.Linear(D, 1))
         self.disc_head.apply(Bert._init_weights)

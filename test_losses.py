@@ -4,7 +4,6 @@ short training loop per objective. Random draws are replayed by re-seeding the g
 calling the same sampling helpers in the same order."""
 import copy
 import math
-import types
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ import torch.nn.functional as F
 import losses
 from losses import (LOSSES, NegativeDots, corrective_lm_loss, crop_views, generator_config, mask_tokens, pool_size,
                     random_real_tokens, sample_tokens, taco_samples)
+from config import TrainConfig
 from model import MODEL_PRESETS, Bert, BertConfig
 
 AUC = losses.auc  # the real one, kept before a test patches it
@@ -45,8 +45,8 @@ def tiny_model(seed=0, double=True, **overrides):
     return model.double() if double else model
 
 
-def make_cfg(**kw):
-    return types.SimpleNamespace(init_from="out/mlm", **kw)
+def make_cfg(**kw):  # the objectives read their hyperparameters from train.py's config
+    return TrainConfig(**{"init_from": "out/mlm", **kw})
 
 
 def build(name, model, double=True, **kw):
@@ -563,7 +563,7 @@ def test_tacl_teacher_frozen_in_eval_mode_and_gets_no_gradient():
 
 def test_tacl_requires_init_from():
     with pytest.raises(ValueError, match=r"--init_from.*--objective mlm.*--objective tacl --init_from out/mlm"):
-        LOSSES["tacl"](tiny_model(), types.SimpleNamespace(init_from=""))
+        LOSSES["tacl"](tiny_model(), make_cfg(init_from=""))
 
 
 # ------------------------------------------------------------------------------------------
