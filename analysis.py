@@ -18,7 +18,8 @@ computed the same way for every model given, so objectives can be compared side 
   isotropy: mean cosine of random token pairs across the corpus (Ethayarajh 2019).
 
 WordSim353 and SimLex-999 ship in assets/ next to this file. STS-B comes from --glue_dir
-(GLUE TSVs) or the hub; without either, the sentence-pair part is skipped with one line.
+(GLUE TSVs) or the hub; without either, one line says so and the STS-B pairs are left out
+(the random pairs stay).
 Training-time hooks (cheap): contextual_score() and wordsim_similarity(). There a context
 is one packed [CLS] ... [SEP] block; in --analysis it is one held-out sentence, so the training
 log's contextual_score and analysis.json's are on different scales.
@@ -381,22 +382,23 @@ def encode(model, sequences, pad_id, device="cpu"):
 
 
 def read_stsb(glue_dir=None):
-    """(sentence1, sentence2, score) rows of the STS-B validation split: glue_dir/STS-B/dev.tsv
-    (original GLUE TSV, quoting off) when glue_dir is given, else nyu-mll/glue from the hub.
+    """(sentence1, sentence2, score) rows of the STS-B validation split: glue_dir/STS-B/dev.tsv, read
+    as strictly as GLUE fine-tuning reads it, when glue_dir is given, else nyu-mll/glue from the hub.
     Raises ValueError saying why when neither can be read."""
-    if not glue_dir:
-        return _stsb_from_hub()
-    path = os.path.join(glue_dir, "STS-B", "dev.tsv")
-    if not os.path.isfile(path):
-        raise ValueError(f"no STS-B/dev.tsv in --glue_dir {glue_dir}")
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        next(f, None)  # header
-        for line in f:
-            cols = line.rstrip("\r\n").split("\t")
-            if len(cols) >= 10:
-                rows.append((cols[7], cols[8], float(cols[9])))
-    return rows
+    from eval import TASKS, load_hub, read_tsv  # eval.py imports this module, so not at the top
+    if glue_dir:
+        path = os.path.join(glue_dir, "STS-B", "dev.tsv")
+        if not os.path.isfile(path):
+            raise ValueError(f"no STS-B/dev.tsv in --glue_dir {glue_dir}")
+        ds = read_tsv(path, TASKS["stsb"])
+        return list(zip(ds["text_a"], ds["text_b"], ds["label"]))
+    offline = any(os.environ.get(v, "") not in ("", "0") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+    # offline mode reads the local hub cache; otherwise, without a network the hub client would
+    # retry for ~25 s: one 3 s probe fails faster
+    if not offline and not _hub_reachable():
+        raise ValueError("huggingface.co is unreachable (offline?) and no --glue_dir was given")
+    ds = load_hub("stsb")["validation"]
+    return list(zip(ds["sentence1"], ds["sentence2"], ds["label"]))
 
 
 def _hub_reachable(host="huggingface.co", timeout=3.0):
@@ -405,21 +407,6 @@ def _hub_reachable(host="huggingface.co", timeout=3.0):
         return True
     except OSError:
         return False
-
-
-def _stsb_from_hub():
-    import datasets
-    offline = any(os.environ.get(v, "") not in ("", "0") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
-    # offline mode reads the local hub cache; otherwise, without a network the hub client would
-    # retry for ~25 s, printing every retry: one 3 s probe fails faster and quietly
-    if not offline and not _hub_reachable():
-        raise ValueError("huggingface.co is unreachable (offline?) and no --glue_dir was given")
-    try:
-        ds = datasets.load_dataset("nyu-mll/glue", "stsb", split="validation")
-    except Exception as e:
-        reason = (str(e).splitlines() or [""])[0][:200]
-        raise ValueError(f"hub nyu-mll/glue stsb unavailable ({type(e).__name__}: {reason})") from None
-    return list(zip(ds["sentence1"], ds["sentence2"], ds["label"]))
 
 
 def sentence_pair_similarity(model, tok, rows, max_len, device):

@@ -384,7 +384,7 @@ BASE_GRID = {
 }
 NUM_COMBOS = 6
 # --recipe uniform: one recipe for every task, from TACO's official scripts (FUZHIYI/TACO
-# finetune_small.sh, finetune_base.sh), bf16 on GPU as this file did before --recipe paper.
+# finetune_small.sh, finetune_base.sh), bf16 on GPU.
 UNIFORM = {"small": dict(lr=5e-5, batch_size=32, epochs=4, warmup=100),
            "base": dict(lr=3e-5, batch_size=32, epochs=6, warmup=100)}
 HPARAMS = ("lr", "batch_size", "epochs", "warmup", "max_len", "dropout", "weight_decay", "precision")  # flags

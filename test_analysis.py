@@ -410,6 +410,13 @@ def test_read_stsb_tsv(tmp_path):
     rows = A.read_stsb(fake_glue_dir(tmp_path))
     assert len(rows) == 30 and sum(score == 5.0 for _, _, score in rows) == 10
     assert rows[0][1] == rows[0][0].lower()
+    # read as GLUE fine-tuning reads it: a short row or a bad score is an error naming the line, not a dropped pair
+    path = tmp_path / "STS-B" / "dev.tsv"
+    lines = path.read_text().splitlines()
+    for bad in (lines[2].rsplit("\t", 1)[0], lines[2].rsplit("\t", 1)[0] + "\tnan"):
+        path.write_text("\n".join(lines[:2] + [bad] + lines[3:]) + "\n")
+        with pytest.raises(ValueError, match="dev.tsv:3"):
+            A.read_stsb(str(tmp_path))
 
 
 def write_log(path, seed, resumed=False):
