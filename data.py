@@ -44,6 +44,7 @@ import shutil
 import string
 import time
 import unicodedata
+from contextlib import contextmanager
 from itertools import chain
 from pathlib import Path
 
@@ -77,6 +78,30 @@ def _write_atomic(path, text):
     tmp = f"{path}.tmp{os.getpid()}"
     Path(tmp).write_text(text, encoding="utf-8")
     os.replace(tmp, path)
+
+
+@contextmanager
+def _making(*paths):
+    """Hold .NAME.lock (an OS lock, which the OS releases however its holder dies) while the cache
+    files `paths` are checked and made: a second process preparing the same corpus waits, then finds
+    them made. Under the lock no one else is writing them, so what killed writers left (PATH.tmpPID:
+    a full-size token file, a tokenizer directory) is removed."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: no flock; leftovers stay, never read
+        yield
+        return
+    with open(paths[0].parent / f".{paths[0].name}.lock", "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            print(f"waiting for another process preparing {paths[0]}", flush=True)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        stale = re.compile("|".join(re.escape(p.name) + r"\.tmp\d+" for p in paths))
+        for entry in paths[0].parent.iterdir():
+            if stale.fullmatch(entry.name):
+                shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+        yield
 
 # ----------------------------------------------------------------------------- tokenizer
 
@@ -370,7 +395,7 @@ def _tokenize(tok, parts, path, dtype, data):
                 arr = np.fromiter(ids, dtype=dtype)
                 f.write(arr.tobytes())
                 n += len(arr)
-    except BaseException:  # a bad row or Ctrl-C leaves no partial file (a SIGKILL's stays, never read)
+    except BaseException:  # a bad row or Ctrl-C leaves no partial file (a SIGKILL's: the next _making removes it)
         os.remove(tmp)
         raise
     bar.close()
@@ -458,25 +483,24 @@ def prepare_data(data=DEFAULT_DATA, cache_dir="cache", tokenizer=None, vocab_siz
     parts = None  # the corpus is only loaded on a cache miss
     if tokenizer is None:
         tokenizer = cache / f"tokenizer-{data_key}-{vocab_size}"
-        if _cached_tokenizer(tokenizer) is None:
-            parts = _load_corpus(data, files, cache)
-            t0, tmp = time.time(), f"{tokenizer}.tmp{os.getpid()}"
-            texts = lambda: ([p for p in pieces if p is not None] for pieces in _pieces(parts))
-            trained = train_tokenizer(texts, vocab_size, save_dir=tmp)
-            print(f"trained a {trained.get_vocab_size()}-token tokenizer in {time.time() - t0:.1f}s")
-            try:
+        with _making(tokenizer):
+            if _cached_tokenizer(tokenizer) is None:
+                parts = _load_corpus(data, files, cache)
+                t0, tmp = time.time(), f"{tokenizer}.tmp{os.getpid()}"
+                texts = lambda: ([p for p in pieces if p is not None] for pieces in _pieces(parts))
+                trained = train_tokenizer(texts, vocab_size, save_dir=tmp)
+                print(f"trained a {trained.get_vocab_size()}-token tokenizer in {time.time() - t0:.1f}s")
                 os.replace(tmp, tokenizer)
-            except OSError:  # another process got there first: theirs is identical (training is deterministic)
-                shutil.rmtree(tmp)
     tok = load_tokenizer(tokenizer)
     dtype = np.uint16 if tok.get_vocab_size() < 2**16 else np.uint32
     key = _hash([data_key, hashlib.sha1(tok.to_str().encode()).hexdigest()])
     path = cache / f"tokens-{key}.{np.dtype(dtype).name}.bin"
-    if not _cache_ok(path):
-        parts = parts or _load_corpus(data, files, cache)
-        t0 = time.time()
-        n = _tokenize(tok, parts, path, dtype, data)
-        print(f"tokenized {data} into {n:,} tokens in {time.time() - t0:.1f}s -> {path}")
+    with _making(path, _sidecar(path)):
+        if not _cache_ok(path):
+            parts = parts or _load_corpus(data, files, cache)
+            t0 = time.time()
+            n = _tokenize(tok, parts, path, dtype, data)
+            print(f"tokenized {data} into {n:,} tokens in {time.time() - t0:.1f}s -> {path}")
     tokens = np.memmap(path, dtype=dtype, mode="r")
     train, val = split_train_val(tokens, val_fraction, special_token_ids(tok)["sep"])
     return tok, train, val

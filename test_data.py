@@ -261,7 +261,8 @@ def test_unreadable_corpus_is_one_clear_error(tok_dir, tmp_path, name):
             data.prepare_data(str(data_arg), tmp_path / "cache", tokenizer=tok_dir)
         message = str(info.value)
         assert str(tmp_path / name) in message and problem in message and "\n" not in message, message
-        assert [p.name for p in (tmp_path / "cache").iterdir()] == ["hf"]  # no partial token file left behind
+        left = [p.name for p in (tmp_path / "cache").iterdir() if not p.name.endswith(".lock")]
+        assert left == ["hf"]  # no partial token file left behind
 
 
 def test_corrupt_token_cache_is_rebuilt(tok_dir, tmp_path, capsys):
@@ -286,6 +287,24 @@ def test_corrupt_token_cache_is_rebuilt(tok_dir, tmp_path, capsys):
         assert np.array_equal(np.fromfile(cached, dtype=original.dtype), original), damage
     _stream(tok_dir, path, tmp_path)
     assert "rebuilding" not in capsys.readouterr().out  # an intact cache is reused silently
+
+
+def test_what_killed_writers_left_in_the_cache_is_removed(tmp_path, capsys):
+    path = tmp_path / "a.txt"
+    path.write_text(_wikiextractor_text())
+    tok, train, _ = data.prepare_data(str(path), tmp_path / "cache", vocab_size=200)
+    cache = tmp_path / "cache"
+    tokens, tokenizer = next(cache.glob("tokens-*.bin")), next(cache.glob("tokenizer-*"))
+    # what a SIGKILL mid-tokenization / mid-training leaves (a full-size copy of the token file for a real corpus)
+    left = [tokens.with_name(tokens.name + ".tmp4242"), tokens.with_suffix(".json.tmp4242"),
+            tokenizer.with_name(tokenizer.name + ".tmp4242")]
+    left[0].write_bytes(b"half"), left[1].write_text("{"), left[2].mkdir()
+    (left[2] / "vocab.txt").write_text("[PAD]")
+    other = tokens.with_name(tokens.name + "x.tmp4242")  # not one of this corpus's files: kept
+    other.write_text("mine")
+    tok2, train2, _ = data.prepare_data(str(path), tmp_path / "cache", vocab_size=200)  # a cache hit cleans too
+    assert not any(p.exists() for p in left) and other.read_text() == "mine"
+    assert tok2.get_vocab() == tok.get_vocab() and np.array_equal(train2, train)
 
 
 def test_checksum_samples_large_files(tmp_path, monkeypatch):
