@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from safetensors import SafetensorError
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from config import init_dir, parse_args, resume_config, saved_config, validate
@@ -97,6 +98,10 @@ class Diverged(RuntimeError):
     """A non-finite loss or gradient norm: the run stops before it can save NaN weights."""
 
 
+class SaveFailed(Exception):
+    """A checkpoint could not be written (a full disk): its partial files are gone, ckpt.pt is the last good one."""
+
+
 def take_lock(out_dir):
     """Hold out_dir/.lock while a run writes there: a second run on the same out_dir is refused. It is
     an OS file lock (flock), so the OS releases it when the process dies, however it dies, on this host
@@ -130,10 +135,13 @@ def take_lock(out_dir):
         if same:
             break
         f.close()
-    f.seek(0)
-    f.truncate()
-    f.write(f"{os.getpid()} {socket.gethostname()}")
-    f.flush()
+    try:  # "pid host" only names the holder in another run's error: a full disk must not stop this one here
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()} {socket.gethostname()}")
+        f.flush()
+    except OSError:
+        pass
     return f
 
 
@@ -315,7 +323,7 @@ def main(argv=None):
         if int(os.environ.get("RANK", 0)) == 0:  # once, not once per DDP rank
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    except Diverged as e:
+    except (Diverged, SaveFailed) as e:
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
@@ -528,11 +536,17 @@ def train(cfg, ckpt=None):
         if not master:  # one writer: the ranks hold the same weights, and the loader state is global
             return
         # the export first, then ckpt.pt (what --resume trusts, and it rewrites an export of another step)
-        model.save_pretrained(cfg.out_dir, mlm_head=trains_head, step=step)
-        atomic_save(dict(model=model.state_dict(), model_config=asdict(model_config), objective=objective.state_dict(),
-                         optimizer=optimizer.state_dict(), scaler=scaler.state_dict(), step=step,
-                         loader=train_loader.state_dict(), config=asdict(cfg), data=fingerprint),
-                    os.path.join(cfg.out_dir, "ckpt.pt"))
+        try:
+            model.save_pretrained(cfg.out_dir, mlm_head=trains_head, step=step)
+            atomic_save(dict(model=model.state_dict(), model_config=asdict(model_config),
+                             objective=objective.state_dict(), optimizer=optimizer.state_dict(),
+                             scaler=scaler.state_dict(), step=step, loader=train_loader.state_dict(),
+                             config=asdict(cfg), data=fingerprint), os.path.join(cfg.out_dir, "ckpt.pt"))
+        except (OSError, RuntimeError, SafetensorError) as e:  # a full disk: torch.save raises RuntimeError
+            remove_partial_writes(cfg.out_dir)
+            reason = (str(e).splitlines() or [type(e).__name__])[0][:200]
+            kept = f"ckpt.pt keeps step {saved_step}, --resume goes on from it" if saved_step else "no ckpt.pt yet"
+            raise SaveFailed(f"cannot save step {step} into {cfg.out_dir} ({reason}); {kept}") from None
         saved_step = step
 
     def run_eval():
