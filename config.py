@@ -300,7 +300,8 @@ def resume_config(cfg, given):
     """(config, checkpoint) of --resume: the checkpoint's config with the flags given now on top."""
     path = os.path.join(cfg.resume, "ckpt.pt") if os.path.isdir(cfg.resume) else cfg.resume
     if not os.path.isfile(path):
-        raise ValueError(f"--resume {cfg.resume}: no checkpoint there")
+        raise ValueError(f"--resume {cfg.resume}: no checkpoint there (a run stopped before its first save: "
+                         f"run its original command again)")
     ckpt = load_checkpoint_file(path)
     missing = {"model", "model_config", "objective", "optimizer", "scaler", "step", "loader", "config"} - set(ckpt)
     model_config = ckpt["model_config"] if isinstance(ckpt["model_config"], dict) else {"(not a dict)": None}

@@ -24,6 +24,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -39,7 +40,7 @@ SCALES = {
     "toy": dict(
         train=["--preset", "smoke", "--vocab_size", "1000", "--seq_len", "64", "--batch_size", "8",
                "--tokens_per_step", "512", "--log_interval", "5", "--eval_interval", "10",
-               "--eval_batches", "1", "--ckpt_interval", "1000", "--val_fraction", "0.05"],
+               "--eval_batches", "1", "--ckpt_interval", "10", "--val_fraction", "0.05"],
         steps=20, extra_steps=10, continue_lr=1e-3,
         glue=["--max_train_samples", "64", "--max_eval_samples", "64", "--epochs", "1", "--max_len", "64"],
         tasks="cola,stsb", seeds="1,2", analysis=["--num_sentences", "50"],
@@ -170,21 +171,51 @@ def glue_done(path, tasks, seeds):
 
 
 def run_cmd(cmd, log_path, dry_run, env=None):
-    """One subprocess, its output teed into log_path; exits with its code if it fails."""
+    """One subprocess, its output teed into log_path; exits with its code if it fails. Ctrl-C and
+    SIGTERM are passed on to it (train.py then saves its step) and this process waits for it: dying
+    first would break its output pipe and kill it before it saved."""
     print("$ " + " ".join(cmd), flush=True)
     if dry_run:
         return 0.0
-    t0 = time.time()
+    t0, stop = time.time(), []
     with open(log_path, "a") as log:
         proc = subprocess.Popen(cmd, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env={**(env or {}), **os.environ, "PYTHONUNBUFFERED": "1"})
-        for line in proc.stdout:
-            sys.stdout.write(line)
-            log.write(line)
-        code = proc.wait()
+                                env={**(env or {}), **os.environ, "PYTHONUNBUFFERED": "1"},
+                                start_new_session=True)  # a terminal's Ctrl-C reaches it once, through us
+
+        def forward(signum, frame):
+            stop.append(signum)
+            proc.send_signal(signum)
+        handlers = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            for line in proc.stdout:
+                sys.stdout.write(line)
+                log.write(line)
+            code = proc.wait()
+        finally:
+            for s, handler in handlers.items():
+                signal.signal(s, handler)
+    if stop:
+        print(f"reproduce.py: stopped by {signal.Signals(stop[0]).name} ({cmd[1]} exited {code}); rerun the "
+              f"same command to go on", file=sys.stderr)
+        sys.exit(128 + stop[0])
     if code:
         sys.exit(f"error: `{' '.join(cmd)}` failed with exit code {code} (output in {log_path})")
     return time.time() - t0
+
+
+def try_lock(path):
+    """An OS lock on `path` (released however its holder dies), or None when another process holds it."""
+    f = open(path, "a")
+    try:
+        import fcntl
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except ImportError:  # Windows: no flock, no check
+        pass
+    except OSError:
+        f.close()
+        return None
+    return f
 
 
 def save_json(obj, path):
@@ -209,11 +240,12 @@ def pretrain(args, scale, name, objective, steps, extra):
     if os.path.isfile(os.path.join(run_dir, "ckpt.pt")):
         cmd = [args.python, "train.py", "--resume", run_dir, "--max_steps", str(steps)]  # a killed run goes on
     else:
-        _, _, evals = read_log(os.path.join(run_dir, "log.jsonl"))
-        if evals and evals[-1]["step"] > 0:  # it trained and saved: deleting it would lose work
-            sys.exit(f"error: {run_dir} has trained to step {evals[-1]['step']} but its ckpt.pt is gone: put it "
-                     f"back to continue, or delete the directory to pretrain {name} again")
-        if os.path.isdir(run_dir) and not args.dry_run:  # a run killed before its first checkpoint
+        if os.path.isfile(os.path.join(run_dir, "model.safetensors")):  # it saved: deleting it would lose work
+            sys.exit(f"error: {run_dir} holds a saved model but no ckpt.pt: put ckpt.pt back to continue, or "
+                     f"delete the directory to pretrain {name} again")
+        if os.path.isdir(run_dir) and not args.dry_run:  # a run killed before its first save
+            if os.path.isfile(os.path.join(run_dir, ".lock")) and not try_lock(os.path.join(run_dir, ".lock")):
+                sys.exit(f"error: {run_dir} is in use by another train.py")
             shutil.rmtree(run_dir)
         # 10% warm-up, then linear decay to 0 (continuations too: `steps` is theirs)
         cmd = [args.python, "train.py", "--objective", objective, *scale["train"], "--max_steps", str(steps),
@@ -537,6 +569,9 @@ def main(argv=None):
     stages = [s for s in only if s in STAGES] or STAGES
     selected = [r for r in runs if r in only] or runs
     os.makedirs(args.out_dir, exist_ok=True)
+    lock = None if args.dry_run else try_lock(os.path.join(args.out_dir, ".reproduce.lock"))  # held to the end
+    if lock is None and not args.dry_run:
+        sys.exit(f"error: --out_dir {args.out_dir} is in use by another reproduce.py")
     # every call on an out_dir must mean the same runs: a skipped stage must not pass off another setting's output
     settings = dict(scale=args.scale, data=args.data, seed=args.seed, steps=steps, extra_steps=extra_steps,
                     tasks=args.tasks, seeds=args.seeds)

@@ -5,8 +5,10 @@ import json
 import math
 import os
 import random
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -154,8 +156,34 @@ def test_a_finished_run_without_its_checkpoint_is_kept(tmp_path):
                                                         tasks="cola,stsb", seeds="1,2")))
     (out / "mlm" / "log.jsonl").write_text(json.dumps({"step": 20, "val_mlm_loss": 6.0}) + "\n")
     (out / "mlm" / "glue.json").write_text("{}")
+    (out / "mlm" / "model.safetensors").write_bytes(b"weights")
     line = reproduce_error(["--out_dir", str(out), "--only", "pretrain,mlm"], tmp_path)
-    assert "ckpt.pt is gone" in line and (out / "mlm" / "glue.json").exists()
+    assert "holds a saved model but no ckpt.pt" in line and (out / "mlm" / "glue.json").exists()
+
+
+def test_sigterm_reaches_the_training_run_and_a_rerun_goes_on(tmp_path):
+    write_corpus(tmp_path / "corpus.txt", random.Random(0))
+    out = tmp_path / "repro"
+    cmd = [sys.executable, "reproduce.py", "--scale", "toy", "--objectives", "mlm", "--only", "pretrain",
+           "--steps", "300", "--data", str(tmp_path / "corpus.txt"), "--out_dir", str(out)]
+    first = subprocess.Popen(cmd, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        log, t0 = out / "mlm" / "log.jsonl", time.time()
+        while not (log.exists() and '"step": 5,' in log.read_text()):  # training has started
+            assert first.poll() is None and time.time() - t0 < 300, first.communicate()
+            time.sleep(0.2)
+        # a second reproduction of the same out_dir would delete the live run: refused
+        second = subprocess.run(cmd, cwd=HERE, capture_output=True, text=True, timeout=60)
+        assert second.returncode == 1 and "in use by another reproduce.py" in second.stderr, second.stderr
+        first.send_signal(signal.SIGTERM)  # passed on to train.py, which saves the step it is at
+        stdout, stderr = first.communicate(timeout=120)
+    finally:
+        first.kill()
+    assert first.returncode == 143 and "stopped by SIGTERM" in stderr, stdout[-2000:] + stderr
+    saved = torch.load(out / "mlm" / "ckpt.pt", weights_only=True)["step"]
+    assert 5 <= saved < 300
+    rerun = subprocess.run(cmd, cwd=HERE, capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0 and f"resumed from step {saved}" in rerun.stdout, rerun.stdout[-2000:] + rerun.stderr
 
 
 def test_corrupt_outputs_are_missing_cells_not_crashes(tmp_path):
