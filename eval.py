@@ -633,6 +633,8 @@ def glue_table(report, compare=False):
     for name, r in tasks.items():
         if r["status"] == "missing":
             lines.append(f"Missing: {name} ({r['reason']}).")
+    if report.get("not_run"):
+        lines.append(f"Not run: {', '.join(report['not_run'])} (the run stopped before them).")
     lines += ["", "| task | metric | per run | mean | median | runs collapsed | train / dev rows | minutes |",
               "|---" * 8 + "|"]
     for name, r in ok.items():
@@ -749,7 +751,33 @@ def run_glue(args, log=print):
     if not loaded:
         raise ValueError("no GLUE task could be scored: " + "; ".join(f"{n}: {r['reason']}" for n, r in missing.items()))
     results, predictions, t_all = {}, {}, time.time()
-    for task in tasks:
+
+    def write_report(not_run=()):
+        """glue.json and glue.md of the tasks done so far, rewritten after each task: a run stopped
+        later keeps them. not_run: the tasks still to come."""
+        n_runs = len(next(r for r in results.values() if r["status"] == "ok")["runs"])
+        combos = n_runs // len(seeds)
+        runs_label = (f"seed {seeds[0]}" if n_runs == 1 else f"{len(seeds)} seeds" if combos == 1 else
+                      f"{combos} combinations x {len(seeds)} seed{'s' * (len(seeds) > 1)}")
+        report = dict(name=os.path.basename(os.path.normpath(model_dir)), model=args.model, recipe=args.recipe,
+                      model_size=size, protocol=protocol, seeds=seeds, runs_per_task=n_runs,
+                      runs_label=runs_label, group_by_length=args.group_by_length, args=vars(args), device=str(device),
+                      torch=torch.__version__, model_config=vars(cfg), time_s=time.time() - t_all, tasks=results)
+        values = {stat: {(t, k): v for t, r in results.items() if r["status"] == "ok" for k, v in r[stat].items()}
+                  for stat in ("mean", "median")}
+        report["avg9"] = {stat: like_for_like(v, AVG9, present=v) for stat, v in values.items()}
+        report["avg8"] = {stat: like_for_like(v, AVG8, present=v) for stat, v in values.items()}
+        report["missing"] = [n for n, r in results.items() if r["status"] == "missing"]
+        report["not_run"] = list(not_run)
+        if args.predict:
+            report["predictions"] = predictions
+        table = glue_table(report, compare=args.compare)
+        os.makedirs(out, exist_ok=True)
+        write_atomic(os.path.join(out, "glue.json"), json.dumps(report, indent=2))
+        write_atomic(os.path.join(out, "glue.md"), table + "\n")
+        return report, table
+
+    for i, task in enumerate(tasks):
         if task.name in missing:
             results[task.name] = missing[task.name]
             continue
@@ -807,25 +835,8 @@ def run_glue(args, log=print):
             os.makedirs(out, exist_ok=True)
             write_submission(os.path.join(out, stem + ".tsv"), task, index, best[2][stem])
             predictions[stem] = dict(rows=len(index), model=f"{task.name} {best[1]}")
-    n_runs = len(next(r for r in results.values() if r["status"] == "ok")["runs"])
-    combos = n_runs // len(seeds)
-    runs_label = (f"seed {seeds[0]}" if n_runs == 1 else f"{len(seeds)} seeds" if combos == 1 else
-                  f"{combos} combinations x {len(seeds)} seed{'s' * (len(seeds) > 1)}")
-    report = dict(name=os.path.basename(os.path.normpath(model_dir)), model=args.model, recipe=args.recipe,
-                  model_size=size, protocol=protocol, seeds=seeds, runs_per_task=n_runs,
-                  runs_label=runs_label, group_by_length=args.group_by_length, args=vars(args), device=str(device),
-                  torch=torch.__version__, model_config=vars(cfg), time_s=time.time() - t_all, tasks=results)
-    values = {stat: {(t, k): v for t, r in results.items() if r["status"] == "ok" for k, v in r[stat].items()}
-              for stat in ("mean", "median")}
-    report["avg9"] = {stat: like_for_like(v, AVG9, present=v) for stat, v in values.items()}
-    report["avg8"] = {stat: like_for_like(v, AVG8, present=v) for stat, v in values.items()}
-    report["missing"] = [n for n, r in results.items() if r["status"] == "missing"]
-    if args.predict:
-        report["predictions"] = predictions
-    table = glue_table(report, compare=args.compare)
-    os.makedirs(out, exist_ok=True)
-    write_atomic(os.path.join(out, "glue.json"), json.dumps(report, indent=2))
-    write_atomic(os.path.join(out, "glue.md"), table + "\n")
+        write_report([t.name for t in tasks[i + 1:] if t.name not in missing])
+    report, table = write_report()
     written = [f"{stem}.tsv" for stem, p in predictions.items() if isinstance(p, dict)]
     log("\n" + table + f"\n\nwrote {os.path.join(out, 'glue.json')}, glue.md" + "".join(f", {w}" for w in written))
     return report
@@ -904,6 +915,10 @@ def main(argv=None):
     except (ValueError, FileNotFoundError) as e:  # bad flag, bad checkpoint, malformed TSV: one line
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:
+        print("interrupted" + ("" if args.analysis or args.plot_log else
+              ": glue.json and glue.md hold the tasks finished before it"), file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

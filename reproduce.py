@@ -25,6 +25,7 @@ import math
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -202,6 +203,14 @@ def run_cmd(cmd, log_path, dry_run, env=None):
     if code:
         sys.exit(f"error: `{' '.join(cmd)}` failed with exit code {code} (output in {log_path})")
     return time.time() - t0
+
+
+def hub_reachable(host="huggingface.co", timeout=3.0):
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
 
 
 def try_lock(path):
@@ -567,6 +576,10 @@ def main(argv=None):
     if outside:
         p.error(f"--only {outside[0]}: not one of the runs of --objectives {args.objectives} ({', '.join(runs)})")
     stages = [s for s in only if s in STAGES] or STAGES
+    offline = any(os.environ.get(v, "") not in ("", "0") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+    if "glue" in stages and not args.glue_dir and not offline and not args.dry_run and not hub_reachable():
+        p.error("huggingface.co is unreachable and no --glue_dir was given: GLUE would fail after the pretraining "
+                "(pass --glue_dir DIR, or set HF_HUB_OFFLINE=1 to read the hub cache)")
     selected = [r for r in runs if r in only] or runs
     os.makedirs(args.out_dir, exist_ok=True)
     lock = None if args.dry_run else try_lock(os.path.join(args.out_dir, ".reproduce.lock"))  # held to the end

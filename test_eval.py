@@ -618,3 +618,21 @@ def test_best_run_on_dev_predicts_the_test_set(tmp_path, tiny_model_dir, monkeyp
             + ([] if predict_seed is None else ["--predict_seed", str(predict_seed)]))
     assert json.loads((out / "glue.json").read_text())["tasks"]["cola"]["predicted_by"] == f"seed {chosen}"
     assert {v for _, v in read_submission(out / "CoLA.tsv")} == {str(chosen % 2)}
+
+
+def test_a_stopped_run_keeps_the_tasks_it_finished(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    def fake_finetune(base, task, *args):
+        if task.name == "stsb":
+            raise KeyboardInterrupt  # Ctrl-C during the second task
+        return torch.nn.Linear(1, 1), [dict(scores=dict(mcc=42.0), collapsed=False)]
+    monkeypatch.setattr(ev, "finetune", fake_finetune)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        ev.main(["--model", str(tiny_model_dir), "--glue_dir", str(write_glue(tmp_path / "glue")),
+                 "--tasks", "cola,stsb,mrpc", "--out", str(out)])
+    assert exit_info.value.code == 130
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("interrupted") and "\n" not in err
+    saved = json.loads((out / "glue.json").read_text())
+    assert saved["tasks"]["cola"]["mean"] == {"mcc": 42.0} and saved["not_run"] == ["stsb", "mrpc"]
+    assert "Not run: stsb, mrpc" in (out / "glue.md").read_text()

@@ -92,6 +92,13 @@ def test_every_bad_flag_is_one_error_line(corpus, cache, tmp_path, capsys):
     assert not (tmp_path / "run").exists()  # validation comes before anything is written
 
 
+def test_a_missing_data_path_leaves_no_run_directory(cache, tmp_path, capsys):
+    # found only when the corpus is read, after the lock made --out_dir: the empty directory goes again
+    code, _, err = run_main(flags(tmp_path / "nowhere.txt", cache, tmp_path / "run"), capsys)
+    assert code == 2 and not (tmp_path / "run").exists()
+    one_error(err, "nowhere.txt")
+
+
 def test_a_fixed_cuda_device_under_torchrun_is_refused(corpus, cache, tmp_path, capsys, monkeypatch):
     """Every torchrun process would train on the same GPU: refused before anything starts."""
     monkeypatch.setenv("RANK", "0")

@@ -267,3 +267,14 @@ def test_detector_diagnostic_blocks_draw_replacements_from_the_batch():
     assert 0.12 < replaced.float().mean() < 0.18  # about 15%, less the draws that hit the original
     pool = set(original[:, 1:].flatten().tolist())
     assert set(y[replaced].tolist()) <= pool  # every replacement is a token of the batch (no [CLS])
+
+
+def test_glue_from_an_unreachable_hub_is_refused_before_pretraining(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(reproduce, "hub_reachable", lambda: False)
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        reproduce.main(["--out_dir", str(tmp_path / "repro")])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and "unreachable and no --glue_dir" in err and "\n" not in err
+    assert not (tmp_path / "repro" / "mlm").exists()

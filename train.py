@@ -305,7 +305,7 @@ def evaluate(model, objective, val_loader, cfg, device, autocast):
 # ---------------------------------------------------------------------------------------
 
 def main(argv=None):
-    lock = None
+    lock = made = None
     try:
         cfg, given = parse_args(sys.argv[1:] if argv is None else argv, usage=__doc__)
         if cfg.init_from and "model_size" in given:
@@ -316,6 +316,7 @@ def main(argv=None):
             cfg, ckpt = resume_config(cfg, given)
         validate(cfg)
         if int(os.environ.get("RANK", 0)) == 0:
+            made = None if os.path.isdir(cfg.out_dir) else cfg.out_dir
             lock = take_lock(cfg.out_dir)  # before anything is written there
             remove_partial_writes(cfg.out_dir)
         code = train(cfg, ckpt)
@@ -333,6 +334,8 @@ def main(argv=None):
     finally:
         if lock:
             release_lock(lock)
+        if made and os.path.isdir(made) and not os.listdir(made):  # bad input found late (a --data path)
+            os.rmdir(made)
     if code:
         sys.exit(code)
 
@@ -495,9 +498,9 @@ def train(cfg, ckpt=None):
         if ckpt:
             print(f"resumed from step {step} (of {cfg.max_steps}) in {cfg.out_dir}")
             old = saved_config(ckpt)
-            if lr_at(step, old) != lr_at(step, cfg):
-                changed = ", ".join(f"{k} {getattr(old, k)} -> {getattr(cfg, k)}" for k in ("lr", "warmup_steps", "max_steps")
-                                    if getattr(old, k) != getattr(cfg, k))
+            changed = ", ".join(f"{k} {getattr(old, k)} -> {getattr(cfg, k)}" for k in ("lr", "warmup_steps", "max_steps")
+                                if getattr(old, k) != getattr(cfg, k))
+            if changed:  # said even when the lr at this step is the same (in warm-up): the decay moved
                 print(f"the learning-rate schedule moved ({changed}): lr at step {step} was {lr_at(step, old):.2e}, "
                       f"now {lr_at(step, cfg):.2e} (warm-up {cfg.warmup_steps}, linear decay to 0 at {cfg.max_steps})")
             if export_step(cfg.out_dir) != step:  # a run killed between the export and ckpt.pt: ckpt.pt wins
