@@ -47,7 +47,7 @@ import torch.nn.functional as F
 import analysis
 from config import Parser, dir_problem
 from data import load_tokenizer, read_text
-from model import Bert, config_to_hf, write_atomic
+from model import Bert, config_to_hf, write_atomic, write_hf_dir
 
 # ----------------------------------------------------------------------------------------------
 # Metrics (numpy, x100 as the papers report them)
@@ -533,7 +533,6 @@ def finetune(base, task, data, hp, seed, device, pad_id, warmup, group_by_length
 def save_classifier(model, task, out_dir, tokenizer_dir):
     """A fine-tuned model as a directory transformers' BertForSequenceClassification loads (safetensors),
     tokenizer files copied; every file written atomically. The MLM head is left out: never fine-tuned."""
-    from safetensors.torch import save_file
     state = {k: v for k, v in model.bert.hf_state_dict().items() if k.startswith("bert.")}
     state.update({f"classifier.{k}": v.detach().cpu().contiguous() for k, v in model.classifier.state_dict().items()})
     config = dict(config_to_hf(model.bert.config), architectures=["BertForSequenceClassification"],
@@ -543,16 +542,7 @@ def save_classifier(model, task, out_dir, tokenizer_dir):
     else:
         config["id2label"] = {str(i): name for name, i in task.labels.items()}
         config["label2id"] = dict(task.labels)
-    os.makedirs(out_dir, exist_ok=True)
-    weights = os.path.join(out_dir, "model.safetensors")
-    save_file(state, weights + ".tmp", metadata={"format": "pt"})
-    os.replace(weights + ".tmp", weights)
-    write_atomic(os.path.join(out_dir, "config.json"), json.dumps(config, indent=2))
-    for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        src = os.path.join(tokenizer_dir, name)
-        if os.path.isfile(src):
-            with open(src, encoding="utf-8") as f:
-                write_atomic(os.path.join(out_dir, name), f.read())
+    write_hf_dir(out_dir, state, config, {"format": "pt"}, tokenizer_dir)
 
 
 # ----------------------------------------------------------------------------------------------

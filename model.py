@@ -280,8 +280,6 @@ class Bert(nn.Module):
         never train this head: COCO-LM, ELECTRA). step: the training step, recorded in both
         the weights' metadata and config.json ("training_step"), so a reader can tell that
         the two files (and train.py's ckpt.pt) belong together."""
-        from safetensors.torch import save_file
-        os.makedirs(out_dir, exist_ok=True)
         state, hf_config = self.hf_state_dict(), config_to_hf(self.config)
         metadata = {"format": "pt"}
         if step is not None:
@@ -289,16 +287,7 @@ class Bert(nn.Module):
         if not mlm_head:
             state = {k[len("bert."):]: v for k, v in state.items() if k.startswith("bert.")}
             hf_config["architectures"] = ["BertModel"]
-        weights = os.path.join(out_dir, "model.safetensors")
-        save_file(state, weights + ".tmp", metadata=metadata)
-        os.replace(weights + ".tmp", weights)
-        write_atomic(os.path.join(out_dir, "config.json"), json.dumps(hf_config, indent=2))
-        if tokenizer_dir and os.path.abspath(tokenizer_dir) != os.path.abspath(out_dir):
-            for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-                src = os.path.join(tokenizer_dir, name)
-                if os.path.isfile(src):
-                    with open(src, encoding="utf-8") as f:
-                        write_atomic(os.path.join(out_dir, name), f.read())
+        write_hf_dir(out_dir, state, hf_config, metadata, tokenizer_dir)
 
 
 def hf_weight_names(config):
@@ -430,6 +419,26 @@ def _load_project_checkpoint(path):
     except RuntimeError as e:
         raise ValueError(f"{path}: weights do not match the model config ({str(e).splitlines()[0]})") from None
     return model
+
+
+def write_hf_dir(out_dir, state, hf_config, metadata, tokenizer_dir=None):
+    """A Hugging Face model directory: model.safetensors, config.json and the tokenizer files copied
+    from tokenizer_dir, each written atomically (Bert.save_pretrained, eval.py's fine-tuned models)."""
+    from safetensors.torch import save_file
+    os.makedirs(out_dir, exist_ok=True)
+    weights = os.path.join(out_dir, "model.safetensors")
+    save_file(state, weights + ".tmp", metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(weights + ".tmp", 0o666 & ~umask)  # safetensors writes 0600; the other files get the umask's mode
+    os.replace(weights + ".tmp", weights)
+    write_atomic(os.path.join(out_dir, "config.json"), json.dumps(hf_config, indent=2))
+    if tokenizer_dir and os.path.abspath(tokenizer_dir) != os.path.abspath(out_dir):
+        for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            src = os.path.join(tokenizer_dir, name)
+            if os.path.isfile(src):
+                with open(src, encoding="utf-8") as f:
+                    write_atomic(os.path.join(out_dir, name), f.read())
 
 
 def write_atomic(path, text):

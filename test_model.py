@@ -64,6 +64,8 @@ def test_export_loads_back_into_transformers(tmp_path):
     torch.manual_seed(0)
     ours = Bert(BertConfig(**TINY, dropout=0.0)).eval()
     ours.save_pretrained(str(tmp_path))
+    mode = lambda name: (tmp_path / name).stat().st_mode & 0o777
+    assert mode("model.safetensors") == mode("config.json")  # not safetensors' 0600: shareable like the rest
     hf = transformers.AutoModelForMaskedLM.from_pretrained(str(tmp_path)).eval()
     x = torch.randint(5, 100, (2, 12))
     with torch.no_grad():
