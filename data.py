@@ -91,7 +91,12 @@ def _making(*paths):
     except ImportError:  # Windows: no flock; leftovers stay, never read
         yield
         return
-    with open(paths[0].parent / f".{paths[0].name}.lock", "a") as lock:
+    try:
+        lock = open(paths[0].parent / f".{paths[0].name}.lock", "a")
+    except OSError:  # a read-only cache: reading what is made needs no lock (making it fails on its own)
+        yield
+        return
+    with lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:

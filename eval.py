@@ -767,65 +767,72 @@ def run_glue(args, log=print):
         write_atomic(os.path.join(out, "glue.md"), table + "\n")
         return report, table
 
-    for i, task in enumerate(tasks):
-        if task.name in missing:
-            results[task.name] = missing[task.name]
-            continue
-        raw = loaded.pop(task.name)
-        n_full = len(raw["train"])
-        if args.max_train_samples:
-            raw["train"] = subset(raw["train"], args.max_train_samples)
-        if args.max_eval_samples:
-            raw["dev"] = {s: subset(ds, args.max_eval_samples) for s, ds in raw["dev"].items()}
-        hps = recipe_runs(task, args.recipe, size, overrides, args.num_combos, args.grid_seed)
-        if args.max_len is None:  # a model pretrained on short blocks gets its own limit
-            hps = [dict(hp, max_len=min(hp["max_len"], cfg.max_position_embeddings)) for hp in hps]
-        enc = lambda ds: encode_task(tok, ds, hps[0]["max_len"], cfg.cls_token_id, cfg.sep_token_id, task.labels is None)
-        data = {"train": enc(raw["train"]), "dev": {s: enc(ds) for s, ds in raw["dev"].items()}}
-        tests = {stem: (ds["index"], enc(ds)) for stem, ds in raw.get("test", {}).items() if not isinstance(ds, str)}
-        for stem, reason in raw.get("test", {}).items():
-            if isinstance(reason, str):
-                log(f"warning: no {stem}.tsv: {reason}")
-                predictions[stem] = f"missing: {reason}"
-        t0, runs, best = time.time(), {}, None
-        for k, hp in enumerate(hps):
-            total, warmup, note = schedule_steps(hp, len(raw["train"]), n_full, args.warmup is not None)
-            if note:
-                log(f"note: {task.name}: {note}")
-            for seed in seeds:
-                label = f"seed {seed}" if len(hps) == 1 else f"combo {k + 1} seed {seed}"
-                model, history = finetune(base, task, data, hp, seed, device, cfg.pad_token_id, warmup,
-                                          args.group_by_length, lambda line: log(f"  {task.name} {label}: {line}"))
-                runs[label] = dict(label=label, seed=seed, combo=k + 1, scores=history[-1]["scores"],
-                                   collapsed=history[-1]["collapsed"],
-                                   hparams=dict(hp, warmup_steps=warmup, total_steps=total), history=history)
-                main = float(np.mean([history[-1]["scores"][key] for key in MAIN[task.name]]))
-                # the model that predicts the test sets: the best run on dev (TACO Tables 1 and 4), of one seed
-                # if --predict_seed names it
-                chosen = args.predict_seed in (None, seed)
-                if (args.predict or args.save_model) and chosen and (best is None or main > best[0]):
-                    bf16 = hp["precision"] == "bf16"
-                    best = (main, label, {stem: predict(model, test, cfg.pad_token_id, device, bf16=bf16)
-                                          for stem, (_, test) in tests.items()})
-                    if args.save_model:
-                        save_classifier(model, task, os.path.join(out, "models", task.dir), model_dir)
-                del model
-        keys = list(next(iter(runs.values()))["scores"])
-        results[task.name] = dict(
-            status="ok", n_train=len(raw["train"]), n_train_full=n_full,
-            n_dev={s: len(ds) for s, ds in raw["dev"].items()}, runs=runs,
-            mean={key: float(np.mean([r["scores"][key] for r in runs.values()])) for key in keys},
-            median={key: float(np.median([r["scores"][key] for r in runs.values()])) for key in keys},
-            collapsed=[label for label, r in runs.items() if r["collapsed"]], time_s=time.time() - t0,
-            **({"grid": BASE_GRID[task.name], "num_combos": len(hps)}
-               if args.recipe == "paper" and size == "base" else {}))
-        if best is not None:
-            results[task.name]["predicted_by"] = best[1]
-        for stem, (index, _) in tests.items():  # submission files, as soon as the task is done
-            os.makedirs(out, exist_ok=True)
-            write_submission(os.path.join(out, stem + ".tsv"), task, index, best[2][stem])
-            predictions[stem] = dict(rows=len(index), model=f"{task.name} {best[1]}")
-        write_report([t.name for t in tasks[i + 1:] if t.name not in missing])
+    try:
+        for i, task in enumerate(tasks):
+            if task.name in missing:
+                results[task.name] = missing[task.name]
+                continue
+            raw = loaded.pop(task.name)
+            n_full = len(raw["train"])
+            if args.max_train_samples:
+                raw["train"] = subset(raw["train"], args.max_train_samples)
+            if args.max_eval_samples:
+                raw["dev"] = {s: subset(ds, args.max_eval_samples) for s, ds in raw["dev"].items()}
+            hps = recipe_runs(task, args.recipe, size, overrides, args.num_combos, args.grid_seed)
+            if args.max_len is None:  # a model pretrained on short blocks gets its own limit
+                hps = [dict(hp, max_len=min(hp["max_len"], cfg.max_position_embeddings)) for hp in hps]
+            enc = lambda ds: encode_task(tok, ds, hps[0]["max_len"], cfg.cls_token_id, cfg.sep_token_id,
+                                         task.labels is None)
+            data = {"train": enc(raw["train"]), "dev": {s: enc(ds) for s, ds in raw["dev"].items()}}
+            tests = {stem: (ds["index"], enc(ds)) for stem, ds in raw.get("test", {}).items()
+                     if not isinstance(ds, str)}
+            for stem, reason in raw.get("test", {}).items():
+                if isinstance(reason, str):
+                    log(f"warning: no {stem}.tsv: {reason}")
+                    predictions[stem] = f"missing: {reason}"
+            t0, runs, best = time.time(), {}, None
+            for k, hp in enumerate(hps):
+                total, warmup, note = schedule_steps(hp, len(raw["train"]), n_full, args.warmup is not None)
+                if note:
+                    log(f"note: {task.name}: {note}")
+                for seed in seeds:
+                    label = f"seed {seed}" if len(hps) == 1 else f"combo {k + 1} seed {seed}"
+                    model, history = finetune(base, task, data, hp, seed, device, cfg.pad_token_id, warmup,
+                                              args.group_by_length, lambda line: log(f"  {task.name} {label}: {line}"))
+                    runs[label] = dict(label=label, seed=seed, combo=k + 1, scores=history[-1]["scores"],
+                                       collapsed=history[-1]["collapsed"],
+                                       hparams=dict(hp, warmup_steps=warmup, total_steps=total), history=history)
+                    main = float(np.mean([history[-1]["scores"][key] for key in MAIN[task.name]]))
+                    # the model that predicts the test sets: the best run on dev (TACO Tables 1 and 4), of one seed
+                    # if --predict_seed names it
+                    chosen = args.predict_seed in (None, seed)
+                    if (args.predict or args.save_model) and chosen and (best is None or main > best[0]):
+                        bf16 = hp["precision"] == "bf16"
+                        best = (main, label, {stem: predict(model, test, cfg.pad_token_id, device, bf16=bf16)
+                                              for stem, (_, test) in tests.items()})
+                        if args.save_model:
+                            save_classifier(model, task, os.path.join(out, "models", task.dir), model_dir)
+                    del model
+            keys = list(next(iter(runs.values()))["scores"])
+            results[task.name] = dict(
+                status="ok", n_train=len(raw["train"]), n_train_full=n_full,
+                n_dev={s: len(ds) for s, ds in raw["dev"].items()}, runs=runs,
+                mean={key: float(np.mean([r["scores"][key] for r in runs.values()])) for key in keys},
+                median={key: float(np.median([r["scores"][key] for r in runs.values()])) for key in keys},
+                collapsed=[label for label, r in runs.items() if r["collapsed"]], time_s=time.time() - t0,
+                **({"grid": BASE_GRID[task.name], "num_combos": len(hps)}
+                   if args.recipe == "paper" and size == "base" else {}))
+            if best is not None:
+                results[task.name]["predicted_by"] = best[1]
+            for stem, (index, _) in tests.items():  # submission files, as soon as the task is done
+                os.makedirs(out, exist_ok=True)
+                write_submission(os.path.join(out, stem + ".tsv"), task, index, best[2][stem])
+                predictions[stem] = dict(rows=len(index), model=f"{task.name} {best[1]}")
+            write_report([t.name for t in tasks[i + 1:] if t.name not in missing])
+    except KeyboardInterrupt:  # main() prints it as one line
+        done = [name for name, r in results.items() if r["status"] == "ok"]
+        raise KeyboardInterrupt(f"glue.json and glue.md in {out} hold {', '.join(done)}" if done else
+                                "no task was finished, nothing was written") from None
     report, table = write_report()
     written = [f"{stem}.tsv" for stem, p in predictions.items() if isinstance(p, dict)]
     log("\n" + table + f"\n\nwrote {os.path.join(out, 'glue.json')}, glue.md" + "".join(f", {w}" for w in written))
@@ -905,9 +912,8 @@ def main(argv=None):
     except (ValueError, FileNotFoundError) as e:  # bad flag, bad checkpoint, malformed TSV: one line
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt:
-        print("interrupted" + ("" if args.analysis or args.plot_log else
-              ": glue.json and glue.md hold the tasks finished before it"), file=sys.stderr)
+    except KeyboardInterrupt as e:
+        print("interrupted" + (f": {e}" if str(e) else ""), file=sys.stderr)
         sys.exit(130)
 
 

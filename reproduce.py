@@ -187,7 +187,8 @@ def run_cmd(cmd, log_path, dry_run, env=None):
         def forward(signum, frame):
             stop.append(signum)
             proc.send_signal(signum)
-        handlers = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+        # POSIX only: Windows cannot send SIGINT to a child, and its SIGTERM is a kill that saves nothing
+        handlers = {} if os.name == "nt" else {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             for line in proc.stdout:
                 sys.stdout.write(line)
@@ -249,12 +250,16 @@ def pretrain(args, scale, name, objective, steps, extra):
     if os.path.isfile(os.path.join(run_dir, "ckpt.pt")):
         cmd = [args.python, "train.py", "--resume", run_dir, "--max_steps", str(steps)]  # a killed run goes on
     else:
-        if os.path.isfile(os.path.join(run_dir, "model.safetensors")):  # it saved: deleting it would lose work
-            sys.exit(f"error: {run_dir} holds a saved model but no ckpt.pt: put ckpt.pt back to continue, or "
-                     f"delete the directory to pretrain {name} again")
-        if os.path.isdir(run_dir) and not args.dry_run:  # a run killed before its first save
-            if os.path.isfile(os.path.join(run_dir, ".lock")) and not try_lock(os.path.join(run_dir, ".lock")):
-                sys.exit(f"error: {run_dir} is in use by another train.py")
+        _, _, evals = read_log(os.path.join(run_dir, "log.jsonl"))
+        if any(e["step"] >= steps for e in evals):  # finished, then its ckpt.pt went: its outputs stay
+            sys.exit(f"error: {run_dir} finished its {steps} steps but its ckpt.pt is gone: put it back, or delete "
+                     f"the directory to pretrain {name} again")
+        if os.path.isdir(run_dir) and not args.dry_run:  # killed before its first ckpt.pt: nothing to resume
+            if os.path.isfile(os.path.join(run_dir, ".lock")):
+                lock = try_lock(os.path.join(run_dir, ".lock"))
+                if lock is None:
+                    sys.exit(f"error: {run_dir} is in use by another train.py")
+                lock.close()  # ours now, and closed: Windows deletes no open file
             shutil.rmtree(run_dir)
         # 10% warm-up, then linear decay to 0 (continuations too: `steps` is theirs)
         cmd = [args.python, "train.py", "--objective", objective, *scale["train"], "--max_steps", str(steps),
@@ -576,11 +581,13 @@ def main(argv=None):
     if outside:
         p.error(f"--only {outside[0]}: not one of the runs of --objectives {args.objectives} ({', '.join(runs)})")
     stages = [s for s in only if s in STAGES] or STAGES
+    selected = [r for r in runs if r in only] or runs
     offline = any(os.environ.get(v, "") not in ("", "0") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
-    if "glue" in stages and not args.glue_dir and not offline and not args.dry_run and not hub_reachable():
+    glue_to_do = "glue" in stages and any(not glue_done(os.path.join(args.out_dir, r, "glue.json"),
+                                                        args.tasks.split(","), args.seeds.split(",")) for r in selected)
+    if glue_to_do and not args.glue_dir and not offline and not args.dry_run and not hub_reachable():
         p.error("huggingface.co is unreachable and no --glue_dir was given: GLUE would fail after the pretraining "
                 "(pass --glue_dir DIR, or set HF_HUB_OFFLINE=1 to read the hub cache)")
-    selected = [r for r in runs if r in only] or runs
     os.makedirs(args.out_dir, exist_ok=True)
     lock = None if args.dry_run else try_lock(os.path.join(args.out_dir, ".reproduce.lock"))  # held to the end
     if lock is None and not args.dry_run:

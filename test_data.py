@@ -1,4 +1,5 @@
 """Tests for data.py: tokenizer, corpus formats and caching, BlockLoader order/resume/DDP slicing."""
+import builtins
 import gzip
 import json
 import lzma
@@ -289,7 +290,7 @@ def test_corrupt_token_cache_is_rebuilt(tok_dir, tmp_path, capsys):
     assert "rebuilding" not in capsys.readouterr().out  # an intact cache is reused silently
 
 
-def test_what_killed_writers_left_in_the_cache_is_removed(tmp_path, capsys):
+def test_what_killed_writers_left_in_the_cache_is_removed(tmp_path, capsys, monkeypatch):
     path = tmp_path / "a.txt"
     path.write_text(_wikiextractor_text())
     tok, train, _ = data.prepare_data(str(path), tmp_path / "cache", vocab_size=200)
@@ -305,6 +306,15 @@ def test_what_killed_writers_left_in_the_cache_is_removed(tmp_path, capsys):
     tok2, train2, _ = data.prepare_data(str(path), tmp_path / "cache", vocab_size=200)  # a cache hit cleans too
     assert not any(p.exists() for p in left) and other.read_text() == "mine"
     assert tok2.get_vocab() == tok.get_vocab() and np.array_equal(train2, train)
+    # a cache made earlier, now read-only (shared, mounted): reading it takes no lock
+    real_open = builtins.open
+    def read_only(path, *args, **kwargs):
+        if str(path).endswith(".lock"):
+            raise OSError(30, "Read-only file system", str(path))
+        return real_open(path, *args, **kwargs)
+    monkeypatch.setattr(builtins, "open", read_only)
+    tok3, train3, _ = data.prepare_data(str(path), tmp_path / "cache", vocab_size=200)
+    assert tok3.get_vocab() == tok.get_vocab() and np.array_equal(train3, train)
 
 
 def test_checksum_samples_large_files(tmp_path, monkeypatch):
