@@ -29,7 +29,7 @@ class TrainConfig:
     resume: str = ""  # continue a run exactly: its out_dir or ckpt.pt
     # data
     data: str = DEFAULT_DATA  # a local file / dir / glob, or a datasets hub name ("name:config"); smoke: the sample in assets/
-    tokenizer: str = ""  # tokenizer.json, vocab.txt or a dir with them; empty = the init_from dir's, else train one
+    tokenizer: str = ""  # tokenizer.json, vocab.txt, a dir with them or a hub name (bert-base-uncased); empty = the init_from dir's, else train one
     vocab_size: int = 30522  # size of a newly trained WordPiece vocabulary (BERT's)
     val_fraction: float = 0.005  # share of the corpus held out for the validation MLM loss
     cache_dir: str = "cache"  # tokenizers and token files, reused across runs

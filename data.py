@@ -180,7 +180,10 @@ def train_tokenizer(texts, vocab_size=30522, save_dir=None):
 def load_tokenizer(path):
     """Load tokenizer.json, a WordPiece vocab.txt, or a directory holding either.
 
+    A name that is no local path (bert-base-uncased, the papers' vocabulary) is fetched from the hub.
     An empty, truncated or otherwise unreadable file is one ValueError naming it."""
+    if not Path(path).exists() and re.fullmatch(r"[\w.-]+(/[\w.-]+)?", str(path)):
+        return _hub_tokenizer(str(path))
     path, lowercase = Path(path), True
     if path.is_dir():
         config = path / "tokenizer_config.json"
@@ -209,6 +212,21 @@ def load_tokenizer(path):
         tok.add_special_tokens(SPECIAL_TOKENS)  # tokens already in the vocab keep their ids
         _add_template(tok)
     tok.no_truncation()  # some hub tokenizer.json files enable it; the stream encoder must not cut
+    tok.no_padding()
+    return tok
+
+def _hub_tokenizer(name):
+    hub_log = logging.getLogger("huggingface_hub")
+    level = hub_log.level
+    hub_log.setLevel(logging.ERROR)  # offline, its retry warnings would bury the error line
+    try:
+        tok = Tokenizer.from_pretrained(name)
+    except Exception as e:
+        raise ValueError(f"tokenizer not found: {name} is no local file or directory, and the hub gives no "
+                         f"tokenizer by that name ({_first_line(e)})") from None
+    finally:
+        hub_log.setLevel(level)
+    tok.no_truncation()
     tok.no_padding()
     return tok
 

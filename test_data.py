@@ -118,6 +118,27 @@ def test_save_is_atomic_and_corrupt_files_are_one_error(tok_dir, tmp_path, monke
         assert "\n" not in str(info.value)
 
 
+def test_a_hub_name_fetches_that_tokenizer(tmp_path, monkeypatch):
+    # --tokenizer bert-base-uncased: the papers' vocabulary, from the hub (faked: tests have no network)
+    vocab = ["[PAD]"] + [f"[unused{i}]" for i in range(99)] + ["[UNK]", "[CLS]", "[SEP]", "[MASK]", "hello"]
+    (tmp_path / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    hub = data.load_tokenizer(tmp_path / "vocab.txt")
+    hub.enable_truncation(8)  # as some hub tokenizer.json files come
+
+    class Hub:
+        @staticmethod
+        def from_pretrained(name):
+            if name != "bert-base-uncased":
+                raise RuntimeError(f"Repository Not Found for url: https://huggingface.co/{name}")
+            return hub
+    monkeypatch.setattr(data, "Tokenizer", Hub)
+    monkeypatch.chdir(tmp_path)
+    tok = data.load_tokenizer("bert-base-uncased")
+    assert data.special_token_ids(tok)["cls"] == 101 and tok.truncation is None  # the stream encoder must not cut
+    with pytest.raises(ValueError, match="bert-base-uncasd is no local file or directory.*Repository Not Found"):
+        data.load_tokenizer("bert-base-uncasd")
+
+
 def test_hf_style_vocab(tmp_path):
     # bert-base-uncased layout: [PAD] 0, [unused*], then [UNK] [CLS] [SEP] [MASK] at 100..103
     vocab = ["[PAD]"] + [f"[unused{i}]" for i in range(99)] + ["[UNK]", "[CLS]", "[SEP]", "[MASK]"]
