@@ -705,6 +705,66 @@ def validate_args(args):
             raise ValueError(f"--out {args.out}: {problem}")
 
 
+def glue_task(task, raw, args, base, tok, size, overrides, seeds, device, out, model_dir, log=print):
+    """Every fine-tuning run of one task (each recipe run x each seed) on raw = load_task()'s splits.
+    Returns (its entry of glue.json, {submission stem: what was written}); with --predict the best run
+    on dev writes the task's leaderboard files, with --save_model its model, as soon as it is known."""
+    cfg, predictions = base.config, {}
+    n_full = len(raw["train"])
+    if args.max_train_samples:
+        raw["train"] = subset(raw["train"], args.max_train_samples)
+    if args.max_eval_samples:
+        raw["dev"] = {s: subset(ds, args.max_eval_samples) for s, ds in raw["dev"].items()}
+    hps = recipe_runs(task, args.recipe, size, overrides, args.num_combos, args.grid_seed)
+    if args.max_len is None:  # a model pretrained on short blocks gets its own limit
+        hps = [dict(hp, max_len=min(hp["max_len"], cfg.max_position_embeddings)) for hp in hps]
+    enc = lambda ds: encode_task(tok, ds, hps[0]["max_len"], cfg.cls_token_id, cfg.sep_token_id, task.labels is None)
+    data = {"train": enc(raw["train"]), "dev": {s: enc(ds) for s, ds in raw["dev"].items()}}
+    tests = {stem: (ds["index"], enc(ds)) for stem, ds in raw.get("test", {}).items() if not isinstance(ds, str)}
+    for stem, reason in raw.get("test", {}).items():
+        if isinstance(reason, str):
+            log(f"warning: no {stem}.tsv: {reason}")
+            predictions[stem] = f"missing: {reason}"
+    t0, runs, best = time.time(), {}, None
+    for k, hp in enumerate(hps):
+        total, warmup, note = schedule_steps(hp, len(raw["train"]), n_full, args.warmup is not None)
+        if note:
+            log(f"note: {task.name}: {note}")
+        for seed in seeds:
+            label = f"seed {seed}" if len(hps) == 1 else f"combo {k + 1} seed {seed}"
+            model, history = finetune(base, task, data, hp, seed, device, cfg.pad_token_id, warmup,
+                                      args.group_by_length, lambda line: log(f"  {task.name} {label}: {line}"))
+            runs[label] = dict(label=label, seed=seed, combo=k + 1, scores=history[-1]["scores"],
+                               collapsed=history[-1]["collapsed"],
+                               hparams=dict(hp, warmup_steps=warmup, total_steps=total), history=history)
+            main = float(np.mean([history[-1]["scores"][key] for key in MAIN[task.name]]))
+            # the model that predicts the test sets: the best run on dev (TACO Tables 1 and 4), of --predict_seed's
+            chosen = args.predict_seed in (None, seed)
+            if (args.predict or args.save_model) and chosen and (best is None or main > best[0]):
+                bf16 = hp["precision"] == "bf16"
+                best = (main, label, {stem: predict(model, test, cfg.pad_token_id, device, bf16=bf16)
+                                      for stem, (_, test) in tests.items()})
+                if args.save_model:
+                    save_classifier(model, task, os.path.join(out, "models", task.dir), model_dir)
+            del model
+    keys = list(next(iter(runs.values()))["scores"])
+    result = dict(
+        status="ok", n_train=len(raw["train"]), n_train_full=n_full,
+        n_dev={s: len(ds) for s, ds in raw["dev"].items()}, runs=runs,
+        mean={key: float(np.mean([r["scores"][key] for r in runs.values()])) for key in keys},
+        median={key: float(np.median([r["scores"][key] for r in runs.values()])) for key in keys},
+        collapsed=[label for label, r in runs.items() if r["collapsed"]], time_s=time.time() - t0,
+        **({"grid": BASE_GRID[task.name], "num_combos": len(hps)}
+           if args.recipe == "paper" and size == "base" else {}))
+    if best is not None:
+        result["predicted_by"] = best[1]
+    for stem, (index, _) in tests.items():  # submission files, as soon as the task is done
+        os.makedirs(out, exist_ok=True)
+        write_submission(os.path.join(out, stem + ".tsv"), task, index, best[2][stem])
+        predictions[stem] = dict(rows=len(index), model=f"{task.name} {best[1]}")
+    return result, predictions
+
+
 def run_glue(args, log=print):
     validate_args(args)
     if isinstance(args.model, list):  # the command line's --model takes several for --analysis
@@ -772,62 +832,9 @@ def run_glue(args, log=print):
             if task.name in missing:
                 results[task.name] = missing[task.name]
                 continue
-            raw = loaded.pop(task.name)
-            n_full = len(raw["train"])
-            if args.max_train_samples:
-                raw["train"] = subset(raw["train"], args.max_train_samples)
-            if args.max_eval_samples:
-                raw["dev"] = {s: subset(ds, args.max_eval_samples) for s, ds in raw["dev"].items()}
-            hps = recipe_runs(task, args.recipe, size, overrides, args.num_combos, args.grid_seed)
-            if args.max_len is None:  # a model pretrained on short blocks gets its own limit
-                hps = [dict(hp, max_len=min(hp["max_len"], cfg.max_position_embeddings)) for hp in hps]
-            enc = lambda ds: encode_task(tok, ds, hps[0]["max_len"], cfg.cls_token_id, cfg.sep_token_id,
-                                         task.labels is None)
-            data = {"train": enc(raw["train"]), "dev": {s: enc(ds) for s, ds in raw["dev"].items()}}
-            tests = {stem: (ds["index"], enc(ds)) for stem, ds in raw.get("test", {}).items()
-                     if not isinstance(ds, str)}
-            for stem, reason in raw.get("test", {}).items():
-                if isinstance(reason, str):
-                    log(f"warning: no {stem}.tsv: {reason}")
-                    predictions[stem] = f"missing: {reason}"
-            t0, runs, best = time.time(), {}, None
-            for k, hp in enumerate(hps):
-                total, warmup, note = schedule_steps(hp, len(raw["train"]), n_full, args.warmup is not None)
-                if note:
-                    log(f"note: {task.name}: {note}")
-                for seed in seeds:
-                    label = f"seed {seed}" if len(hps) == 1 else f"combo {k + 1} seed {seed}"
-                    model, history = finetune(base, task, data, hp, seed, device, cfg.pad_token_id, warmup,
-                                              args.group_by_length, lambda line: log(f"  {task.name} {label}: {line}"))
-                    runs[label] = dict(label=label, seed=seed, combo=k + 1, scores=history[-1]["scores"],
-                                       collapsed=history[-1]["collapsed"],
-                                       hparams=dict(hp, warmup_steps=warmup, total_steps=total), history=history)
-                    main = float(np.mean([history[-1]["scores"][key] for key in MAIN[task.name]]))
-                    # the model that predicts the test sets: the best run on dev (TACO Tables 1 and 4), of one seed
-                    # if --predict_seed names it
-                    chosen = args.predict_seed in (None, seed)
-                    if (args.predict or args.save_model) and chosen and (best is None or main > best[0]):
-                        bf16 = hp["precision"] == "bf16"
-                        best = (main, label, {stem: predict(model, test, cfg.pad_token_id, device, bf16=bf16)
-                                              for stem, (_, test) in tests.items()})
-                        if args.save_model:
-                            save_classifier(model, task, os.path.join(out, "models", task.dir), model_dir)
-                    del model
-            keys = list(next(iter(runs.values()))["scores"])
-            results[task.name] = dict(
-                status="ok", n_train=len(raw["train"]), n_train_full=n_full,
-                n_dev={s: len(ds) for s, ds in raw["dev"].items()}, runs=runs,
-                mean={key: float(np.mean([r["scores"][key] for r in runs.values()])) for key in keys},
-                median={key: float(np.median([r["scores"][key] for r in runs.values()])) for key in keys},
-                collapsed=[label for label, r in runs.items() if r["collapsed"]], time_s=time.time() - t0,
-                **({"grid": BASE_GRID[task.name], "num_combos": len(hps)}
-                   if args.recipe == "paper" and size == "base" else {}))
-            if best is not None:
-                results[task.name]["predicted_by"] = best[1]
-            for stem, (index, _) in tests.items():  # submission files, as soon as the task is done
-                os.makedirs(out, exist_ok=True)
-                write_submission(os.path.join(out, stem + ".tsv"), task, index, best[2][stem])
-                predictions[stem] = dict(rows=len(index), model=f"{task.name} {best[1]}")
+            results[task.name], task_predictions = glue_task(task, loaded.pop(task.name), args, base, tok, size,
+                                                             overrides, seeds, device, out, model_dir, log)
+            predictions.update(task_predictions)
             write_report([t.name for t in tasks[i + 1:] if t.name not in missing])
     except KeyboardInterrupt:  # main() prints it as one line
         done = [name for name, r in results.items() if r["status"] == "ok"]
