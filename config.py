@@ -6,6 +6,7 @@ parsing and checking. --help prints them with the chosen preset's values and sou
     validate(cfg)  # every flag checked once, before anything is read or written
 """
 import argparse
+import glob
 import inspect
 import math
 import os
@@ -194,7 +195,10 @@ def data_path(data):
     """A local --data (file, directory, glob) as an absolute path, so that a resume started from another
     directory reads the same files and the checkpoint says which; a hub dataset name stays as it is."""
     local = os.path.expanduser(data)
-    if os.path.exists(local) or any(c in data for c in "*?[") or data.startswith(("/", ".", "~")):
+    pattern = not os.path.exists(local) and any(c in data for c in "*?[")
+    if pattern and not os.path.isabs(local):  # brackets in the working directory's own name are not a pattern
+        return os.path.normpath(os.path.join(glob.escape(os.getcwd()), local))
+    if os.path.exists(local) or pattern or data.startswith(("/", ".", "~")):
         return os.path.abspath(local)
     return data
 

@@ -267,7 +267,7 @@ def _builder(path):
 def _resolve_files(data):
     """Local files for `data` in sorted order, or None when `data` is a hub dataset name."""
     path = Path(data).expanduser()
-    if any(c in data for c in "*?["):
+    if not path.exists() and any(c in data for c in "*?["):  # a path that exists is a path, "[" or not
         files = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
         if not files:
             raise ValueError(f"no files match {data}")

@@ -201,6 +201,19 @@ def test_directory_glob_and_wikitext_headings(tok_dir, tmp_path):
     assert len(globbed) > len(stream)
 
 
+def test_brackets_in_a_path_are_not_a_pattern(tmp_path, monkeypatch):
+    import config
+    home = tmp_path / "runs [v2]"  # a working directory whose name glob would read as a character class
+    (home / "corpus").mkdir(parents=True)
+    for name in ("a.txt", "b.txt"):
+        (home / "corpus" / name).write_text(_paragraph(1))
+    monkeypatch.chdir(home)
+    assert data._resolve_files(config.data_path("corpus/a.txt")) == [home / "corpus" / "a.txt"]
+    assert data._resolve_files(config.data_path("corpus")) == [home / "corpus" / n for n in ("a.txt", "b.txt")]
+    assert data._resolve_files(config.data_path("corpus/*.txt")) == [home / "corpus" / n for n in ("a.txt", "b.txt")]
+    assert data._resolve_files(config.data_path("corpus/[a].txt")) == [home / "corpus" / "a.txt"]  # a real pattern
+
+
 def test_cache_reused_and_invalidated(tok_dir, tmp_path, monkeypatch):
     path = tmp_path / "a.txt"
     path.write_text(_wikiextractor_text())
