@@ -246,6 +246,10 @@ def validate(cfg):
     need(cfg.warmup_steps <= cfg.max_steps, "warmup_steps", f"must be <= --max_steps {cfg.max_steps}")
     need(cfg.objective != "taco" or (cfg.negative_pool or cfg.batch_size) >= 2, "batch_size",
          "TACO draws negatives from the other sequences of its pool: it needs batch_size (or negative_pool) >= 2")
+    candidates = ((cfg.negative_pool or cfg.batch_size) - 1) * cfg.seq_len  # tokens in the other rows of a pool
+    need(cfg.objective != "taco" or cfg.taco_negatives <= candidates, "taco_negatives",
+         f"must be <= {candidates:,}, the tokens of the other rows of its pool ((negative_pool or batch_size) - 1) x "
+         "seq_len: more would only repeat them, at B x T x K memory (paper: 50)")
     need(cfg.objective != "tacl" or cfg.init_from or cfg.resume, "init_from",
          "TaCL continues a trained model: pass --init_from a run dir or a Hugging Face BERT dir "
          "(e.g. first python train.py --objective mlm --out_dir out/mlm, then --init_from out/mlm)")

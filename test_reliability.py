@@ -90,6 +90,10 @@ def test_every_bad_flag_is_one_error_line(corpus, cache, tmp_path, capsys):
         assert code == 2, (name, value, code, err)
         one_error(err, f"--{name}")
     assert not (tmp_path / "run").exists()  # validation comes before anything is written
+    # TACO's K beyond its pool's tokens: refused, not an out-of-memory kill with no message
+    code, out, err = run_main(flags(corpus, cache, tmp_path / "run", objective="taco", taco_negatives=100000), capsys)
+    assert code == 2
+    one_error(err, "--taco_negatives", f"<= {7 * 32}")
 
 
 def test_a_missing_data_path_leaves_no_run_directory(cache, tmp_path, capsys):
