@@ -262,6 +262,10 @@ def validate(cfg):
         need(device.group(1) is None or int(device.group(1)) < torch.cuda.device_count(), "device",
              f"this machine has {torch.cuda.device_count()} CUDA device(s)")
     need(cfg.device != "mps" or torch.backends.mps.is_available(), "device", "MPS is not available on this machine")
+    if "LOCAL_RANK" in os.environ and cfg.device in ("auto", "cuda") and torch.cuda.is_available():
+        need(int(os.environ["LOCAL_RANK"]) < torch.cuda.device_count(), "device", f"torchrun started local process "
+             f"{os.environ['LOCAL_RANK']}, this machine has {torch.cuda.device_count()} CUDA device(s): "
+             "--nproc_per_node must be at most that")
     for name in ("out_dir", "cache_dir"):
         need(dir_problem(getattr(cfg, name)) is None, name, dir_problem(getattr(cfg, name)))
     need(not cfg.init_from or os.path.exists(cfg.init_from), "init_from", "no such file or directory")

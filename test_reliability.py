@@ -96,6 +96,17 @@ def test_every_bad_flag_is_one_error_line(corpus, cache, tmp_path, capsys):
     one_error(err, "--taco_negatives", f"<= {7 * 32}")
 
 
+def test_more_torchrun_processes_than_gpus_is_one_error_line(corpus, cache, tmp_path, capsys, monkeypatch):
+    # torchrun --nproc_per_node=2 on a 1-GPU machine: rank 1 would die in cuda.set_device("cuda:1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    code, out, err = run_main(flags(corpus, cache, tmp_path / "run"), capsys)
+    assert code == 2
+    one_error(err, "--device", "local process 1", "1 CUDA device(s)", "--nproc_per_node")
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_missing_data_path_leaves_no_run_directory(cache, tmp_path, capsys):
     # found only when the corpus is read, after the lock made --out_dir: the empty directory goes again
     code, _, err = run_main(flags(tmp_path / "nowhere.txt", cache, tmp_path / "run"), capsys)
