@@ -96,6 +96,22 @@ def ref_mlm(model, h, input_ids, positions, labels):
     return sum(terms) / len(terms)
 
 
+def close(a, b):
+    """float64 against a float64 reference: only summation order differs (~1e-15), a bug shows far above"""
+    return torch.allclose(a, b, rtol=0, atol=1e-10)
+
+
+def entropy(rate):  # BCE of always guessing `rate`, in nats: the detectors' trivial baseline
+    return -(rate * math.log(rate) + (1 - rate) * math.log(1 - rate))
+
+
+def replaced_at_masked(x, x_mlm, positions, labels):
+    """Share of the masked slots whose sample differs from the original token."""
+    flags = [float(x_mlm[b, p] != x[b, p]) for b in range(x.size(0)) for p, l in zip(positions[b], labels[b])
+             if l != -100]
+    return sum(flags) / len(flags)
+
+
 def cos(a, b):
     return (a * b).sum() / (a.norm() * b.norm())
 
@@ -194,16 +210,45 @@ def test_mlm_matches_reference(padded, predict_all):
     corrupted, positions, labels = mask_tokens(x, model.config, seeded(3), attention_mask=am)
     h = model(corrupted, attention_mask=am)
     expected = ref_mlm(model, h, x, positions, labels)
-    assert torch.allclose(metrics["mlm_loss"], expected, atol=1e-5)
+    assert close(metrics["mlm_loss"], expected)
+    logits = model.mlm_logits(h)
+    hits = [float(logits[b, p].argmax() == l) for b in range(x.size(0)) for p, l in zip(positions[b], labels[b])
+            if l != -100]
+    assert abs(metrics["mlm_acc"].item() - sum(hits) / len(hits)) < 1e-12
     if predict_all:  # TP: every unmasked real token, predicted from the corrupted input
         logits = model.mlm_logits(h)
         selected = {(b, p.item()) for b in range(x.size(0)) for p, l in zip(positions[b], labels[b]) if l != -100}
         terms = [ref_log_softmax_at(list(logits[b, t]), x[b, t]) for b in range(x.size(0)) for t in range(x.size(1))
                  if x[b, t] > MASK and (b, t) not in selected]
         tp = sum(terms) / len(terms)
-        assert torch.allclose(metrics["tp_loss"], tp, atol=1e-5)
+        assert close(metrics["tp_loss"], tp)
         expected = expected + tp
-    assert torch.allclose(loss, expected, atol=1e-5)
+    assert close(loss, expected)
+
+
+class EchoModel(nn.Module):
+    """Predicts each position's visible token (h = its one-hot, logits = 10 h): right exactly at the
+    selected slots that masking left unchanged, so an accuracy over the wrong slots shows."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+
+    def forward(self, input_ids, attention_mask=None):
+        return F.one_hot(input_ids, self.config.vocab_size).double()
+
+    def mlm_logits(self, h):
+        return 10 * h
+
+
+def test_mlm_accuracy_is_over_the_selected_slots():
+    model = EchoModel(BertConfig(**TINY))
+    x = make_batch(B=32, T=32)["input_ids"]
+    _, metrics = build("mlm", model)(model, dict(input_ids=x), seeded(3))
+    corrupted, positions, labels = mask_tokens(x, model.config, seeded(3))
+    used = labels != -100
+    unchanged = (corrupted.gather(1, positions) == labels)[used].double().mean()
+    assert 0 < unchanged < 0.3 and abs(metrics["mlm_acc"] - unchanged) < 1e-6
 
 
 @pytest.mark.parametrize("name", ["mlm", "tacl", "electra"])
@@ -406,7 +451,7 @@ def test_taco_matches_reference(padded, anchors):
     h, emb = model(corrupted, attention_mask=am, return_embeddings=True)
     g = (h - emb).reshape(-1, h.size(-1))
     masked = {(b, p.item()) for b in range(x.size(0)) for p, l in zip(positions[b], labels[b]) if l != -100}
-    terms, pos_cos = [], []
+    terms, pos_cos, neg_cos = [], [], []
     for b in range(x.size(0)):
         for t in range(x.size(1)):
             if not valid[b, t] or (anchors == "masked" and (b, t) not in masked):
@@ -415,11 +460,13 @@ def test_taco_matches_reference(padded, anchors):
             scores = [cos(anchor, g[positive[b, t]]) / tau] + [cos(anchor, g[n]) / tau for n in negatives[b, t]]
             terms.append(ref_log_softmax_at(scores, 0))
             pos_cos.append(scores[0] * tau)
+            neg_cos.append(sum(scores[1:]) * tau / K)
     tc = sum(terms) / len(terms)
     mlm = ref_mlm(model, h, x, positions, labels)
-    assert torch.allclose(metrics["tc_loss"], tc, atol=1e-5)
-    assert torch.allclose(metrics["pos_cos"], sum(pos_cos) / len(pos_cos), atol=1e-5)
-    assert torch.allclose(loss, mlm + 0.7 * tc, atol=1e-5)
+    assert close(metrics["tc_loss"], tc)
+    assert close(metrics["pos_cos"], sum(pos_cos) / len(pos_cos))
+    assert close(metrics["neg_cos"], sum(neg_cos) / len(neg_cos))
+    assert close(loss, mlm + 0.7 * tc)
 
 
 def test_taco_invariants():
@@ -515,9 +562,9 @@ def test_tacl_matches_reference(padded):
             terms.append(ref_log_softmax_at(scores, columns.index(i)))
             hits.append(float(columns[int(torch.stack(scores).argmax())] == i))
     tacl = sum(terms) / len(terms)
-    assert torch.allclose(metrics["tacl_loss"], tacl, atol=1e-5)
+    assert close(metrics["tacl_loss"], tacl)
     assert abs(metrics["tacl_acc"].item() - sum(hits) / len(hits)) < 1e-6
-    assert torch.allclose(loss, ref_mlm(model, h, x, positions, labels) + tacl, atol=1e-5)
+    assert close(loss, ref_mlm(model, h, x, positions, labels) + tacl)
 
 
 class OrthogonalModel(nn.Module):
@@ -604,10 +651,13 @@ def test_sampled_tokens_follow_the_softmax(dtype):
 @pytest.mark.parametrize("padded,negative_pool", [(False, 0), (True, 0), (True, 2), (False, 1)])
 def test_cocolm_matches_reference(padded, negative_pool):
     model = tiny_model()
-    objective = build("cocolm", model, negative_pool=negative_pool)
+    objective = build("cocolm", model, negative_pool=negative_pool, cocolm_scl_temperature=0.1)
     with torch.no_grad():  # non-trivial heads
         objective.lm_bias.normal_()
         objective.copy_head.bias.fill_(0.3)
+        g = seeded(1)  # and distinct [CLS] states: at init they are alike, and every pairing scores the same
+        for p in model.encoder.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
     batch = make_batch(**(PADDED if padded else {}))
     x, am = batch["input_ids"], batch.get("attention_mask")
     valid = am.bool() if padded else torch.ones_like(x, dtype=torch.bool)
@@ -616,21 +666,15 @@ def test_cocolm_matches_reference(padded, negative_pool):
     crop_ids, crop_mask = crop_views(x, model.config, gen, 0.9, am)
     h = model(x_mlm, attention_mask=am)
     B, T = x.shape
-    sigmoid = lambda z: 1 / (1 + torch.exp(-z))
-    copy_terms, lm_terms = [], []
+    copy_terms, rows = [], []
     for b in range(B):
         for t in range(T):
             if valid[b, t]:
                 p1, orig = sigmoid(objective.copy_head(h[b, t])[0]), float(x_mlm[b, t] == x[b, t])
                 copy_terms.append(-(orig * torch.log(p1) + (1 - orig) * torch.log(1 - p1)))
-        for k in range(positions.size(1)):
-            if labels[b, k] != -100:
-                t = positions[b, k]
-                p1, orig = sigmoid(objective.copy_head(h[b, t])[0]), float(x_mlm[b, t] == x[b, t])
-                lm = model.embeddings.word.weight[:50] @ h[b, t] + objective.lm_bias
-                q = torch.exp(lm[x[b, t]]) / torch.exp(lm).sum()
-                lm_terms.append(-torch.log(orig * p1 + (1 - p1) * q))
-    copy_loss, lm_loss = sum(copy_terms) / len(copy_terms), sum(lm_terms) / len(lm_terms)
+                rows.append((orig, p1.item()))
+    copy_loss, lm_loss = sum(copy_terms) / len(copy_terms), ref_corrective_lm(objective, model, h, x, x_mlm, positions,
+                                                                               labels)
     # SCL: the x^MLM view and the crop view, NT-Xent over the 2P views of each pool (P = B: all 2B)
     h_crop = model(crop_ids, attention_mask=crop_mask)
     s = [objective.scl_head(v) for v in list(h[:, 0]) + list(h_crop[:, 0])]
@@ -638,12 +682,58 @@ def test_cocolm_matches_reference(padded, negative_pool):
     scl_terms = []
     for i in range(2 * B):
         others = [j for j in range(2 * B) if j != i and pool_of(j) == pool_of(i)]
-        scores = [cos(s[i], s[j]) / 1.0 for j in others]
+        scores = [cos(s[i], s[j]) / 0.1 for j in others]
         scl_terms.append(ref_log_softmax_at(scores, others.index((i + B) % (2 * B))))
     scl_loss = sum(scl_terms) / len(scl_terms)
+    if negative_pool != 1:  # a pool of 1 has one candidate, the partner: the loss is 0 whatever the pairing
+        assert abs(scl_loss - math.log(2 * (negative_pool or B) - 1)) > 0.05  # not the uniform log(2P - 1)
     for key, value in dict(gen_loss=gen_loss, copy_loss=copy_loss, lm_loss=lm_loss, scl_loss=scl_loss).items():
-        assert torch.allclose(metrics[key], value, atol=1e-5), key
-    assert torch.allclose(loss, gen_loss + 50 * copy_loss + lm_loss + scl_loss, atol=1e-5)
+        assert close(metrics[key], value), key
+    assert close(loss, gen_loss + 50 * copy_loss + lm_loss + scl_loss)
+    # the logged detector numbers, over the non-pad tokens; replaced_frac over the masked slots
+    assert abs(metrics["copy_acc"] - sum(float((p > 0.5) == (o == 1)) for o, p in rows) / len(rows)) < 1e-6
+    assert abs(metrics["copy_trivial"] - entropy(1 - sum(o for o, _ in rows) / len(rows))) < 1e-6
+    assert abs(metrics["replaced_frac"] - replaced_at_masked(x, x_mlm, positions, labels)) < 1e-6
+
+
+def sigmoid(z):
+    return 1 / (1 + torch.exp(-z))
+
+
+def ref_corrective_lm(objective, model, h, x, x_mlm, positions, labels):
+    """COCO-LM's L_LM, slot by slot: -log(orig p_copy(1) + p_copy(0) softmax(E h + b)[x])."""
+    terms = []
+    for b in range(x.size(0)):
+        for k in range(positions.size(1)):
+            if labels[b, k] != -100:
+                t = positions[b, k]
+                p1, orig = sigmoid(objective.copy_head(h[b, t])[0]), float(x_mlm[b, t] == x[b, t])
+                lm = model.embeddings.word.weight[:model.config.vocab_size] @ h[b, t] + objective.lm_bias
+                q = torch.exp(lm[x[b, t]]) / torch.exp(lm).sum()
+                terms.append(-torch.log(orig * p1 + (1 - p1) * q))
+    return sum(terms) / len(terms)
+
+
+def test_cocolm_a_sample_equal_to_the_original_counts_as_original(monkeypatch):
+    """The generator is right in rows 0 and 2 (every sample is the original token) and wrong in rows 1 and 3:
+    L_LM takes its orig * p_copy(1) branch exactly there, and replaced_frac counts only rows 1 and 3."""
+    monkeypatch.setattr(losses, "sample_tokens", lambda logits, gen: torch.full(logits.shape[:-1], 7))
+    model = tiny_model()
+    objective = build("cocolm", model)
+    with torch.no_grad():
+        objective.copy_head.bias.fill_(0.3)
+    batch = make_batch()
+    x = batch["input_ids"]
+    real = x > MASK
+    x[[0, 2]] = torch.where(real[[0, 2]], 7, x[[0, 2]])
+    x[[1, 3]] = torch.where(x[[1, 3]] == 7, 8, x[[1, 3]])
+    _, metrics = objective(model, batch, seeded(8))
+    _, positions, labels = mask_tokens(x, model.config, seeded(8), 0.15, 0.8, 0.1)
+    x_mlm = x.scatter(1, positions, torch.where(labels != -100, 7, x.gather(1, positions)))
+    used = labels != -100
+    assert abs(metrics["replaced_frac"] - used[[1, 3]].sum() / used.sum()) < 1e-6
+    h = model(x_mlm)
+    assert close(metrics["lm_loss"], ref_corrective_lm(objective, model, h, x, x_mlm, positions, labels))
 
 
 def test_crop_views():
@@ -681,6 +771,10 @@ def test_corrective_lm_loss_reduces_to_cross_entropy():
     copy_logit = torch.randn(6, dtype=torch.float64)
     assert torch.allclose(corrective_lm_loss(logits, targets, copy_logit, torch.zeros(6, dtype=torch.bool)),
                           ce - F.logsigmoid(-copy_logit))
+    # sg(p_copy): L_LM trains the LM head only; the copy head learns from L_copy alone
+    logits.requires_grad_(), copy_logit.requires_grad_()
+    corrective_lm_loss(logits, targets, copy_logit, torch.arange(6) % 2 == 0).sum().backward()
+    assert copy_logit.grad is None and logits.grad.abs().sum() > 0
 
 
 @pytest.mark.parametrize("padded,gen_shape", [(False, "cocolm"), (True, "cocolm"), (True, "electra")])
@@ -693,17 +787,21 @@ def test_electra_matches_reference(padded, gen_shape):
     loss, metrics = objective(model, batch, seeded(9))
     _, x_mlm, positions, labels, gen_loss = replay_generator(objective, model, x, am, 9, 0.85, 0.0)
     h = model(x_mlm, attention_mask=am)
-    terms = []
+    terms, rows = [], []
     for b in range(x.size(0)):
         for t in range(x.size(1)):
             if valid[b, t]:
                 p = 1 / (1 + torch.exp(-objective.disc_head(h[b, t])[0]))
                 replaced = float(x_mlm[b, t] != x[b, t])
                 terms.append(-(replaced * torch.log(p) + (1 - replaced) * torch.log(1 - p)))
+                rows.append((replaced, p.item()))
     disc_loss = sum(terms) / len(terms)
-    assert torch.allclose(metrics["gen_loss"], gen_loss, atol=1e-5)
-    assert torch.allclose(metrics["disc_loss"], disc_loss, atol=1e-5)
-    assert torch.allclose(loss, gen_loss + 50 * disc_loss, atol=1e-5)
+    assert close(metrics["gen_loss"], gen_loss)
+    assert close(metrics["disc_loss"], disc_loss)
+    assert close(loss, gen_loss + 50 * disc_loss)
+    assert abs(metrics["disc_acc"] - sum(float((p > 0.5) == (r == 1)) for r, p in rows) / len(rows)) < 1e-6
+    assert abs(metrics["disc_trivial"] - entropy(sum(r for r, _ in rows) / len(rows))) < 1e-6
+    assert abs(metrics["replaced_frac"] - replaced_at_masked(x, x_mlm, positions, labels)) < 1e-6
 
 
 @pytest.mark.parametrize("name,gen_shape", [("cocolm", "cocolm"), ("electra", "cocolm"), ("electra", "electra")])
@@ -744,6 +842,7 @@ def test_generator_shapes():
         gen_config, num_layers = generator_config(make_cfg(), config)  # COCO-LM's: same width, L/3 layers
         assert gen_config == config and num_layers == max(1, round(config.num_layers / 3))
         assert generator_config(make_cfg(gen_shape="electra", gen_layers=3), config)[1] == 3
+    assert generator_config(make_cfg(), BertConfig(**{**TINY, "num_layers": 8}))[1] == 3  # round(8 / 3), not 8 // 3
     with pytest.raises(ValueError, match="gen_shape"):
         generator_config(make_cfg(gen_shape="large"), BertConfig(**TINY))
 
@@ -805,6 +904,59 @@ def test_generator_forwards_and_sampling_logits(monkeypatch, name):
     from_dropout_off = sample_tokens(dropout_off, gen.set_state(state)).view_as(positions)[used]
     assert not torch.equal(from_training, from_dropout_off)  # the test can tell the two apart
     assert torch.equal(x_mlm.gather(1, positions)[used], from_training if name == "electra" else from_dropout_off)
+
+
+@pytest.mark.parametrize("name,fracs", [("cocolm", (0.8, 0.1)), ("electra", (0.85, 0.0))])
+def test_generator_masking_split(monkeypatch, name, fracs):
+    # [MASK] / random / unchanged: COCO-LM's BERT 80/10/10, ELECTRA's 85/0/15 (official mask_prob split)
+    seen, real = [], losses.mask_tokens
+    monkeypatch.setattr(losses, "mask_tokens", lambda *args: seen.append(args[4:6]) or real(*args))
+    model = tiny_model()
+    build(name, model)(model, make_batch(), seeded())
+    assert seen == [fracs]
+
+
+@pytest.mark.parametrize("gen_shape", ["cocolm", "electra"])
+def test_generator_ignores_padding(gen_shape):
+    # a padded row's logits are those of the row alone, unpadded
+    model = tiny_model()
+    generator = build("electra", model, gen_shape=gen_shape).generator
+    batch = make_batch(**PADDED)
+    positions = torch.tensor([[1, 2, 4]] * 4)
+    padded = generator.logits(model, batch["input_ids"], batch["attention_mask"], positions).view(4, 3, -1)
+    for row, n in enumerate(PADDED["lengths"]):
+        alone = generator.logits(model, batch["input_ids"][row:row + 1, :n], None, positions[row:row + 1])
+        assert close(padded[row], alone), row
+
+
+def test_generator_decodes_with_the_word_embeddings():
+    # tokens 5..20 only: rows 21..49 of the shared matrix learn from the generator's decoder alone
+    model = tiny_model()
+    generator = build("electra", model).generator
+    gen_loss = generator(model, make_batch(vocab=21)["input_ids"], None, seeded(), 0.15, 0.85, 0.0)[3]
+    gen_loss.backward()
+    assert (model.embeddings.word.weight.grad[21:50].abs().sum(-1) > 0).all()
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_every_trainable_parameter_gets_a_gradient(name):
+    # no loss term cut off by a stray detach: whatever the optimizer updates has a gradient
+    model = tiny_model()
+    objective = build(name, model)
+    loss, _ = objective(model, make_batch(**PADDED), seeded())
+    loss.backward()
+    params = list(model.named_parameters()) + list(objective.named_parameters())
+    dead = [n for n, p in params if p.requires_grad and (p.grad is None or not p.grad.any())]
+    assert not dead, dead
+
+
+def test_cocolm_held_out_forward_leaves_eval_mode():
+    # the dropout-off sampling forward switches modes and back, only when training
+    model = tiny_model(dropout=0.3)
+    objective = build("cocolm", model)
+    objective.eval(), model.eval()
+    objective(model, make_batch(), seeded())
+    assert not objective.generator.training and not model.embeddings.training
 
 
 # ------------------------------------------------------------------------------------------
