@@ -308,14 +308,15 @@ def _read_problem(e):
 
 def _load_local(datasets, builder, split_files, hf_cache):
     """load_dataset for local files; a file it cannot read is one ValueError naming that file."""
+    escaped = {name: glob.escape(f) for name, f in split_files.items()}  # data_files are patterns: not a1.txt for a[1].txt
     try:
-        return datasets.load_dataset(builder, data_files=split_files, cache_dir=hf_cache)
+        return datasets.load_dataset(builder, data_files=escaped, cache_dir=hf_cache)
     except Exception as e:
         culprit, problem = ", ".join(split_files.values()), _read_problem(e)
         if len(split_files) > 1:  # find the file to blame, one at a time (error path only)
             for name, f in split_files.items():
                 try:
-                    datasets.load_dataset(builder, data_files={name: f}, cache_dir=hf_cache)
+                    datasets.load_dataset(builder, data_files={name: escaped[name]}, cache_dir=hf_cache)
                 except Exception as e_file:
                     culprit, problem = f, _read_problem(e_file)
                     break

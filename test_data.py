@@ -212,6 +212,11 @@ def test_brackets_in_a_path_are_not_a_pattern(tmp_path, monkeypatch):
     assert data._resolve_files(config.data_path("corpus")) == [home / "corpus" / n for n in ("a.txt", "b.txt")]
     assert data._resolve_files(config.data_path("corpus/*.txt")) == [home / "corpus" / n for n in ("a.txt", "b.txt")]
     assert data._resolve_files(config.data_path("corpus/[a].txt")) == [home / "corpus" / "a.txt"]  # a real pattern
+    # a file named like a pattern is read, not the file the pattern would match
+    (home / "corpus" / "b[1].txt").write_text(_paragraph(2))
+    (home / "corpus" / "b1.txt").write_text("the wrong file\n")
+    [(_, ds, _)] = data._load_corpus(str(home / "corpus" / "b[1].txt"), [home / "corpus" / "b[1].txt"], tmp_path)
+    assert ds["text"] == [_paragraph(2)]
 
 
 def test_cache_reused_and_invalidated(tok_dir, tmp_path, monkeypatch):
