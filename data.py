@@ -308,7 +308,7 @@ def _read_problem(e):
 
 def _load_local(datasets, builder, split_files, hf_cache):
     """load_dataset for local files; a file it cannot read is one ValueError naming that file."""
-    escaped = {name: glob.escape(f) for name, f in split_files.items()}  # data_files are patterns: not a1.txt for a[1].txt
+    escaped = {name: glob.escape(f) for name, f in split_files.items()}  # data_files are patterns: a[1] is not a1
     try:
         return datasets.load_dataset(builder, data_files=escaped, cache_dir=hf_cache)
     except Exception as e:

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from model import Bert, BertConfig
+from model import MODEL_PRESETS, Bert, BertConfig
 
 transformers = pytest.importorskip("transformers")
 
@@ -43,6 +43,35 @@ def test_hf_import_logits_match(tmp_path, with_mask):
     real = mask.bool()  # padded positions' outputs are meaningless in both models
     assert got.shape == ref.shape
     assert torch.allclose(got[real], ref[real], atol=1e-4), (got - ref)[real].abs().max()
+
+
+def test_hf_import_matches_exactly_in_float64_with_large_weights(tmp_path):
+    # at init (std 0.02, zero biases) small differences hide under atol 1e-4: the tanh GELU, a dropped
+    # MLM bias, LayerNorm eps 1e-5 for 1e-12. Large random weights on every HF tensor (small embeddings,
+    # so their LayerNorm input variance ~1e-5 meets eps) and float64 make any such change a large error
+    hf = hf_tiny()
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():  # cls.predictions.bias included: nonzero
+            p.normal_(0, 0.003 if "embeddings" in name and "LayerNorm" not in name else 0.3)
+            if "LayerNorm.weight" in name:
+                p.add_(1)
+            p.copy_(p.float())  # float32-exact, so our float32 load then .double() holds HF's values
+    hf.double()
+    ours = Bert.from_pretrained(save_hf(hf, str(tmp_path))).double().eval()  # the import path, config.json too
+    x = torch.randint(5, 100, (3, 17))
+    tt, mask = torch.zeros_like(x), torch.ones_like(x)
+    tt[:, 9:], mask[2, 11:] = 1, 0
+    with torch.no_grad():
+        ref = hf(input_ids=x, attention_mask=mask, token_type_ids=tt, output_hidden_states=True)
+        layers = ours(x, attention_mask=mask, token_type_ids=tt, all_layers=True)
+        got = ours.mlm_logits(layers[-1])
+    real = mask.bool()
+    assert ref.logits[real].std() > 0.1 and layers[1][real].std() > 0.5  # not a degenerate comparison
+    assert len(layers) == len(ref.hidden_states) == 3
+    for ours_h, ref_h in zip(layers, ref.hidden_states):  # embeddings, then each layer
+        torch.testing.assert_close(ours_h[real], ref_h[real], rtol=0, atol=1e-9)
+    torch.testing.assert_close(got[real], ref.logits[real], rtol=0, atol=1e-9)
 
 
 def test_token_types_and_bertmodel_names(tmp_path):
@@ -83,6 +112,45 @@ def test_return_embeddings_and_all_layers():
     h, emb = m(x, return_embeddings=True)
     layers = m(x, all_layers=True)
     assert len(layers) == 3 and torch.equal(layers[0], emb) and torch.equal(layers[-1], h)
+
+
+def test_every_dropout_runs_in_training(monkeypatch):
+    # BERT drops the embeddings' output, each layer's attention output and FFN output (nn.Dropout) and the
+    # attention probabilities (SDPA's dropout_p): a model missing one still trains, just not as BERT
+    m = Bert(BertConfig(**TINY, dropout=0.1))
+    drops, attn_p = [], []
+    for mod in m.modules():
+        if isinstance(mod, torch.nn.Dropout):
+            mod.register_forward_hook(lambda mod, args, out: drops.append(mod.p))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording_sdpa(*args, **kwargs):
+        attn_p.append(kwargs["dropout_p"])
+        return sdpa(*args, **kwargs)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording_sdpa)
+    x = torch.randint(5, 100, (2, 7))
+    m.train()(x)
+    assert drops == [0.1] * (1 + 2 * TINY["num_layers"]) and attn_p == [0.1] * TINY["num_layers"]
+    attn_p.clear()
+    m.eval()(x)
+    assert attn_p == [0.0] * TINY["num_layers"]  # and none at evaluation
+
+
+def test_bert_initialisation():
+    # BERT's init, which pretraining from scratch starts from (and the export's initializer_range 0.02 claims):
+    # N(0, 0.02) matrices and embeddings, zero Linear biases and MLM bias, unit-weight zero-bias LayerNorm
+    torch.manual_seed(0)
+    m = Bert(BertConfig(**MODEL_PRESETS["small"]))
+    big = {n: p for n, p in m.named_parameters() if p.dim() == 2 and p.numel() >= 2 ** 16}
+    assert len(big) == 2 + 4 * 4 + 1  # word, position; qkv, proj, up, down per layer; the head's dense
+    for name, p in big.items():
+        assert abs(p.std().item() - 0.02) < 0.001 and abs(p.mean().item()) < 0.001, name
+    for name, mod in m.named_modules():
+        if isinstance(mod, torch.nn.Linear):
+            assert torch.all(mod.bias == 0), name
+        if isinstance(mod, torch.nn.LayerNorm):
+            assert torch.all(mod.weight == 1) and torch.all(mod.bias == 0), name
+    assert torch.all(m.head.bias == 0)
 
 
 def test_padded_vocab_rows_never_predicted():

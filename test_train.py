@@ -96,6 +96,32 @@ def test_micro_batching_keeps_the_global_batch():
         train.micro_batching(base, 32)  # 40 sequences per process: no whole pool of 80
 
 
+def test_gradient_accumulation_averages_the_micro_batches(corpus, tmp_path, monkeypatch):
+    # each micro-batch's loss is divided by grad_accum: the gradient the step clips and applies is the mean of
+    # the micro-batches' own gradients, as one batch of them all would give. Adam's first step hides a 2x scale,
+    # so the gradients are read, in process: each micro-batch's by autograd.grad, the accumulated one at clipping
+    micro, accumulated = [], []
+    forward, clip = train.Pretrainer.forward, torch.nn.utils.clip_grad_norm_
+
+    def recording_forward(self, batch, gen):
+        loss, metrics = forward(self, batch, gen)
+        params = list(self.parameters())
+        micro.append(dict(zip(map(id, params), torch.autograd.grad(loss, params, retain_graph=True))))
+        return loss, metrics
+
+    def recording_clip(params, max_norm):
+        accumulated.append({id(p): p.grad.clone() for p in params})
+        return clip(params, max_norm)
+    monkeypatch.setattr(train.Pretrainer, "forward", recording_forward)
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", recording_clip)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", torch.backends.cuda.matmul.allow_tf32)  # main sets it
+    # 256 tokens = 2 micro-batches x 4 x 32; on the CPU: fp32, no compile
+    train.main(common(corpus, tmp_path, batch_size=4, max_steps=1, warmup_steps=1, eval_batches=1, device="cpu"))
+    assert len(micro) == 2 and len(accumulated) == 1
+    for key, grad in accumulated[0].items():
+        torch.testing.assert_close(grad, (micro[0][key] + micro[1][key]) / 2, rtol=1e-5, atol=1e-8)
+
+
 def test_small_and_base_presets_are_taco_table_5():
     # TACO App. A, Table 5, typed in from the paper (not from train.py), so the presets cannot drift
     table5 = dict(seq_len=256, vocab_size=30522, lr=1e-4, beta2=0.999, adam_eps=1e-8, weight_decay=0.01,
@@ -110,6 +136,30 @@ def test_small_and_base_presets_are_taco_table_5():
         assert set(config.PRESET_SOURCES[preset]) >= set(table5) | {"tokens_per_step", "max_steps", "warmup_steps"}
     small = config.MODEL_PRESETS["small"]
     assert (small["num_layers"], small["hidden_size"], small["num_heads"]) == (4, 512, 8)
+
+
+def test_objective_defaults_are_the_papers():
+    # typed in from the papers (the sources config.py's comments and --help name), so a default cannot drift:
+    # TACO App. A (tau 0.07, K = 50 negatives; W = 5 from the official scripts), TACO Eq. 11 (lambda 1),
+    # TaCL §3 (tau 0.01), COCO-LM §3.1 / §3.2 / §4 (lambda_copy 50, 90% crop, SCL tau 1), ELECTRA §2 (lambda 50)
+    papers = dict(taco_temperature=0.07, taco_window=5, taco_negatives=50, taco_weight=1.0, tacl_temperature=0.01,
+                  cocolm_copy_weight=50.0, cocolm_crop_fraction=0.9, cocolm_scl_temperature=1.0,
+                  electra_disc_weight=50.0, mask_prob=0.15)
+    cfg = config.TrainConfig()
+    assert {k: getattr(cfg, k) for k in papers} == papers
+
+
+def test_weight_decay_on_matrices_and_embeddings_only():
+    # BERT decays weight matrices and embedding tables, never biases or LayerNorm parameters; group 0 is the
+    # decayed one (a resume re-applies --weight_decay to the saved groups in that order)
+    model = train.Bert(train.BertConfig(vocab_size=100, hidden_size=32, num_layers=2, num_heads=4,
+                                        intermediate_size=64))
+    cfg = config.TrainConfig(weight_decay=0.01)
+    decayed, other = train.configure_optimizer(model.parameters(), cfg, "cpu").param_groups
+    matrices = {id(m.weight) for m in model.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))}
+    assert decayed["weight_decay"] == 0.01 and other["weight_decay"] == 0.0
+    assert {id(p) for p in decayed["params"]} == matrices
+    assert {id(p) for p in other["params"]} == {id(p) for p in model.parameters()} - matrices
 
 
 def test_lr_schedule_warmup_then_linear_decay():
