@@ -404,6 +404,13 @@ def test_init_from_flags_that_cannot_work_are_refused(corpus, cache, tmp_path, c
         assert code == 2, err
         one_error(err, needle)
     assert (export / "model.safetensors").read_bytes() == weights
+    # weights without their vocabulary: a fresh tokenizer would give every id another meaning
+    for name in ("tokenizer.json", "vocab.txt"):
+        (export / name).unlink()
+    code, _, err = run_main(flags(corpus, cache, tmp_path / "new") + ["--init_from", export], capsys)
+    assert code == 2, err
+    one_error(err, "no tokenizer.json or vocab.txt", "--tokenizer")
+    assert not (tmp_path / "new").exists()
     # --init_from a ckpt.pt takes the tokenizer of its directory, as --init_from the directory does
     other = tmp_path / "other.txt"
     other.write_text(Path(corpus).read_text().upper().replace("E", "Q"))  # trains another vocabulary
@@ -463,6 +470,15 @@ def test_a_half_written_log_line_is_dropped(corpus, cache, tmp_path, capsys):
     records = [json.loads(line) for line in open(out_dir / "log.jsonl")]  # every line parses
     assert records[-1]["step"] == 20 and any(r.get("resumed_from_step") == 10 for r in records)
     assert "step 20/20" in out and "eta" in out and "done: " in out and "ckpt.pt (step 20" in out
+
+
+def test_a_whole_last_log_record_without_its_newline_is_kept(corpus, cache, tmp_path, capsys):
+    out_dir = tmp_path / "run"
+    assert run_main(flags(corpus, cache, out_dir, max_steps=10), capsys)[0] == 0
+    text = (out_dir / "log.jsonl").read_text()
+    (out_dir / "log.jsonl").write_text(text[:-1])  # the newline never written
+    train.repair_log(str(out_dir / "log.jsonl"))
+    assert (out_dir / "log.jsonl").read_text() == text  # the step-10 record stays, ended
 
 
 def test_sigterm_saves_a_checkpoint_and_exits_nonzero(corpus, cache, tmp_path):

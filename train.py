@@ -180,7 +180,7 @@ def data_fingerprint(train_tokens, val_tokens):
 
 def repair_log(path):
     """A run killed mid-write leaves a partial last line in log.jsonl: drop it, so the next record
-    starts on its own line."""
+    starts on its own line. A whole record that lacks only its newline is kept and ended."""
     if not os.path.isfile(path) or os.path.getsize(path) == 0:
         return
     with open(path, "rb+") as f:
@@ -189,8 +189,13 @@ def repair_log(path):
             return
         f.seek(0)
         text = f.read()
-        f.seek(text.rfind(b"\n") + 1)
-        f.truncate()
+        start = text.rfind(b"\n") + 1
+        try:
+            json.loads(text[start:])
+            f.write(b"\n")  # at the end: the record was whole
+        except ValueError:
+            f.seek(start)
+            f.truncate()
 
 
 def provenance(out_dir=None, diff_name="code.diff"):
@@ -378,7 +383,11 @@ def train(cfg, ckpt=None):
     if cfg.init_from and not ckpt:
         init_model = Bert.from_pretrained(cfg.init_from)
         weights_dir = init_dir(cfg.init_from)
-        if not cfg.tokenizer and any(os.path.isfile(os.path.join(weights_dir, f)) for f in ("tokenizer.json", "vocab.txt")):
+        if not cfg.tokenizer:
+            if not any(os.path.isfile(os.path.join(weights_dir, f)) for f in ("tokenizer.json", "vocab.txt")):
+                raise ValueError(f"--init_from {cfg.init_from}: no tokenizer.json or vocab.txt in {weights_dir}, so "
+                                 "the vocabulary its weights were trained with is unknown; pass --tokenizer DIR or "
+                                 "a hub name (e.g. bert-base-uncased)")
             cfg.tokenizer = weights_dir  # the vocabulary the weights were trained with
     max_pos = init_model.config.max_position_embeddings if init_model else 512
     if cfg.seq_len > max_pos:
