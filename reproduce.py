@@ -597,6 +597,9 @@ def main(argv=None):
                     tasks=args.tasks, seeds=args.seeds)
     path = os.path.join(args.out_dir, "reproduce.json")
     before = read_json(path)
+    if before is None and os.path.exists(path):  # not a guard to drop: refuse, as for other settings
+        p.error(f"{path} is unreadable or not a JSON object, so the settings of the runs in --out_dir "
+                f"{args.out_dir} are unknown: restore it, or use another --out_dir")
     if before is None and not args.dry_run:
         save_json(settings, path)
     elif before is not None and before != settings:

@@ -147,6 +147,12 @@ def test_bad_input_is_refused_before_any_work(tmp_path):
     line = reproduce_error(["--out_dir", str(out), "--tasks", "CoLA,STS-B", "--seed", "7", "--only", "report"],
                            tmp_path)
     assert "other settings (seed 1337 -> 7)" in line  # task names are compared in eval.py's spelling
+    # and so is one whose settings file is damaged: they are unknown, not new
+    for damaged in ('{"steps":', "[1, 2]"):
+        (out / "reproduce.json").write_text(damaged)
+        assert "unreadable or not a JSON object" in reproduce_error(["--out_dir", str(out), "--only", "report"],
+                                                                    tmp_path)
+        assert (out / "reproduce.json").read_text() == damaged
 
 
 def test_a_finished_run_without_its_checkpoint_is_kept(tmp_path):
