@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 import data
+from config import dir_problem
 from model import Bert
 
 ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
@@ -537,6 +538,8 @@ def run_analysis(args):
     if not models:
         raise ValueError("--analysis needs --model DIR [DIR ...]")
     out = args.out or (models[0] if os.path.isdir(models[0]) else os.path.dirname(models[0]) or ".")
+    if dir_problem(out):  # before any work: the default --out is the model's own directory
+        raise ValueError(f"cannot write the analysis into {out}: it {dir_problem(out)}; pass --out DIR")
     os.makedirs(out, exist_ok=True)
     documents, text_source = held_out_documents(args.text, models[0])
     sentences = load_sentences(documents, args.num_sentences, args.seed)
@@ -557,9 +560,12 @@ def run_analysis(args):
     raws = {}
     for label, path in zip(_labels(models), models):
         print(f"analysing {path}")
-        model = Bert.from_pretrained(path).to(device).eval()
-        result, raws[label] = analyze_model(model, load_tokenizer(path), sentences, args.max_len, device,
-                                            args.seed, stsb_rows, heatmap_sentence)
+        model, tok = Bert.from_pretrained(path).to(device).eval(), load_tokenizer(path)
+        if tok.get_vocab_size() > model.config.vocab_size:  # ids beyond the embedding: not this model's tokenizer
+            raise ValueError(f"{path}: the tokenizer has {tok.get_vocab_size()} tokens, the model "
+                             f"{model.config.vocab_size}")
+        result, raws[label] = analyze_model(model, tok, sentences, args.max_len, device, args.seed, stsb_rows,
+                                            heatmap_sentence)
         results["models"][label] = {"path": path, **result}
         del model
     _save_json(_finite(results), os.path.join(out, "analysis.json"))

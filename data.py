@@ -289,8 +289,11 @@ def _resolve_files(data):
 def read_text(path):
     """A UTF-8 text file (.xz too; a BOM dropped) as one str; bytes that are not UTF-8 are one
     ValueError naming the file and line (eval.py's GLUE TSVs, analysis.py's --text)."""
-    with (lzma.open if str(path).endswith(".xz") else open)(path, "rb") as f:
-        raw = f.read()
+    try:
+        with (lzma.open if str(path).endswith(".xz") else open)(path, "rb") as f:
+            raw = f.read()
+    except (EOFError, lzma.LZMAError) as e:  # truncated, or not xz at all
+        raise ValueError(f"{path}: not a readable .xz file ({_first_line(e)})") from None
     try:
         return raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:

@@ -216,11 +216,11 @@ def read_tsv(path, task, test=False):
         else:
             try:
                 label = float(raw) if task.labels is None else task.labels[raw]
-                if not math.isfinite(label):
+                if not 0 <= label <= 5:  # STS-B's similarity scale (NaN fails too); class ids pass
                     raise ValueError
                 rows["label"].append(label)
             except (KeyError, ValueError):
-                expected = "a number" if task.labels is None else "/".join(task.labels)
+                expected = "a number in [0, 5]" if task.labels is None else "/".join(task.labels)
                 raise ValueError(f"{path}:{lineno}: bad label {raw!r} (expected {expected})") from None
         for key, name in zip(("text_a", "text_b"), task.tsv_text):
             rows[key].append(cells[col[name]])
@@ -787,6 +787,8 @@ def run_glue(args, log=print):
                 f"TACO Table 8, {args.num_combos} combinations per task drawn with --grid_seed {args.grid_seed}")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     out = args.out or model_dir
+    if dir_problem(out):  # before any fine-tuning: the default --out is the model's own directory
+        raise ValueError(f"cannot write GLUE results into {out}: it {dir_problem(out)}; pass --out DIR")
     log(f"{args.model}: {base.num_params() / 1e6:.1f}M parameters ({size}), {protocol}, seeds {seeds}, {device}"
         + (f"; flags override {overrides}" if overrides else ""))
     if args.max_train_samples:

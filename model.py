@@ -57,6 +57,9 @@ class BertConfig:
                 raise ValueError(f"model config: {f.name} = {v!r}, expected {allowed}")
         if self.hidden_size % self.num_heads:
             raise ValueError(f"model config: hidden_size {self.hidden_size} is not a multiple of num_heads {self.num_heads}")
+        for name in [f.name for f in fields(self) if f.name.endswith("_token_id")]:
+            if getattr(self, name) >= self.vocab_size:  # an IndexError in the embedding otherwise
+                raise ValueError(f"model config: {name} = {getattr(self, name)}, must be < vocab_size {self.vocab_size}")
 
     @property
     def padded_vocab_size(self):

@@ -518,3 +518,11 @@ def test_embedded_assets_equal_the_shared_copies():
 def test_real_stsb_dev():
     rows = A.read_stsb(shared("glue"))
     assert len(rows) == 1500 and sum(score == 5.0 for _, _, score in rows) == 56
+
+
+def test_a_tokenizer_larger_than_the_model_is_refused(tok, tmp_path):
+    model = save_model(tiny_bert(tok.get_vocab_size() - 10), tok, tmp_path / "run")  # ids past its embedding
+    text = tmp_path / "t.txt"
+    text.write_text("\n".join(make_text(10)))
+    with pytest.raises(ValueError, match=f"the tokenizer has {tok.get_vocab_size()} tokens"):
+        A.run_analysis(SimpleNamespace(model=[model], out=None, text=str(text)))

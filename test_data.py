@@ -510,3 +510,11 @@ def test_sample_corpus(tmp_path, monkeypatch):
 def test_sample_corpus_is_the_wikitext2_test_split():
     raw = (SHARED_DATA / "corpus/wikitext2_raw_test/wiki.test.raw").read_bytes()
     assert lzma.decompress(Path(data.SAMPLE_CORPUS).read_bytes()) == raw
+
+
+@pytest.mark.parametrize("content", [b"plain text, not xz\n", lzma.compress(b"a sentence\n" * 100)[:-20]])
+def test_read_text_of_a_broken_xz_is_one_clear_error(tmp_path, content):
+    # eval.py --analysis --text and the GLUE reader go through read_text, not the corpus loader
+    (tmp_path / "t.txt.xz").write_bytes(content)
+    with pytest.raises(ValueError, match=r"t.txt.xz: not a readable .xz file"):
+        data.read_text(tmp_path / "t.txt.xz")

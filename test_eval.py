@@ -529,7 +529,7 @@ def test_error_malformed_rows(tmp_path, tiny_model_dir, capsys):
         ev.read_tsv(str(path), ev.TASKS["mrpc"])
     path = glue / "STS-B" / "train.tsv"
     lines = path.read_text().split("\n")
-    for bad in ("nan", "inf"):  # a regression label must be a finite number
+    for bad in ("nan", "inf", "7.5", "-40"):  # a similarity score in [0, 5]
         path.write_text("\n".join(lines[:2] + [lines[2].rsplit("\t", 1)[0] + "\t" + bad] + lines[3:]))
         with pytest.raises(ValueError, match=f"train.tsv:3: bad label '{bad}'"):
             ev.read_tsv(str(path), ev.TASKS["stsb"])
@@ -636,3 +636,14 @@ def test_a_stopped_run_keeps_the_tasks_it_finished(tmp_path, tiny_model_dir, mon
     saved = json.loads((out / "glue.json").read_text())
     assert saved["tasks"]["cola"]["mean"] == {"mcc": 42.0} and saved["not_run"] == ["stsb", "mrpc"]
     assert "Not run: stsb, mrpc" in (out / "glue.md").read_text()
+
+
+def test_an_unwritable_model_directory_is_refused_before_fine_tuning(tmp_path, tiny_model_dir, capsys, monkeypatch):
+    # the default --out is the model's directory; read-only (root ignores modes, so os.access says it), GLUE
+    # used to fine-tune every task and then fail on glue.json
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: not os.path.samefile(p, tiny_model_dir) and real_access(p, mode))
+    monkeypatch.setattr(ev, "finetune", lambda *a, **k: pytest.fail("fine-tuned before the check"))
+    err = run_main_error(["--model", str(tiny_model_dir), "--glue_dir", str(write_glue(tmp_path / "glue")),
+                          "--tasks", "rte"], capsys)
+    assert f"cannot write GLUE results into {tiny_model_dir}" in err and "--out DIR" in err

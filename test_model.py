@@ -192,7 +192,8 @@ def test_bad_checkpoints_are_clear_errors(tmp_path):
 @pytest.mark.parametrize("edit,problem", [
     ([], "expected a JSON object"), ({"hidden_size": "32"}, "hidden_size = '32'"),
     ({"num_hidden_layers": None}, "num_layers = None"), ({"num_attention_heads": 3}, "not a multiple of num_heads 3"),
-    ({"hidden_dropout_prob": 1.5}, "dropout = 1.5"), ({"vocab_size": True}, "vocab_size = True"), ("{", "Expecting")])
+    ({"hidden_dropout_prob": 1.5}, "dropout = 1.5"), ({"vocab_size": True}, "vocab_size = True"), ("{", "Expecting"),
+    ({"pad_token_id": 99999}, "pad_token_id = 99999, must be < vocab_size")])
 def test_a_corrupt_config_is_one_clear_error(tmp_path, edit, problem):
     Bert(BertConfig(**TINY)).save_pretrained(str(tmp_path))
     cfg = json.load(open(tmp_path / "config.json"))
