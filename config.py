@@ -321,6 +321,9 @@ def resume_config(cfg, given):
     if missing or unknown:
         raise ValueError(f"--resume {path}: not a resumable checkpoint of this version (missing "
                          f"{sorted(missing)}, unknown model_config keys {sorted(unknown)})")
+    if type(ckpt["step"]) is not int or ckpt["step"] < 0:
+        raise ValueError(f"--resume {path}: its step is {ckpt['step']!r}, not an integer >= 0 (an edited or corrupt "
+                         f"checkpoint)")
     run_dir = os.path.dirname(path) or "."
     saved = saved_config(ckpt, path)
     for name in (n for n in FIXED_ON_RESUME if n in given):

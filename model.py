@@ -420,7 +420,7 @@ def _load_project_checkpoint(path):
     try:
         model.load_state_dict(ckpt["model"])
     except RuntimeError as e:
-        raise ValueError(f"{path}: weights do not match the model config ({str(e).splitlines()[0]})") from None
+        raise ValueError(f"{path}: weights do not match the model config ({' '.join(str(e).split())[:300]})") from None
     return model
 
 

@@ -2,6 +2,7 @@
 it saves NaN, checkpoints loaded without running code, a run directory that stays one consistent
 unit (own tokenizer, export agrees with ckpt.pt, lock, exact data position across layouts,
 repaired log, SIGTERM), and the provenance in log.jsonl. Most runs call train.main() in-process."""
+import copy
 import hashlib
 import json
 import os
@@ -429,6 +430,19 @@ def test_a_checkpoint_config_of_the_wrong_type_is_one_error_line(corpus, cache, 
         code, _, err = run_main(["--resume", run_dir, "--max_steps", 10], capsys)
         assert code == 2
         one_error(err, needle)
+    # a step that is no count, optimizer moments of the wrong shape, a missing weight: refused before any step
+    optimizer = copy.deepcopy(ckpt["optimizer"])
+    optimizer["state"][0]["exp_avg"] = optimizer["state"][0]["exp_avg"][:1]
+    model = {k: v for k, v in ckpt["model"].items() if k != "embeddings.ln.bias"}
+    for edit, needle in ((dict(step="5"), "its step is '5'"), (dict(step=-5), "its step is -5"),
+                         (dict(optimizer=optimizer), "optimizer state of shape"),
+                         (dict(model=model), 'Missing key(s) in state_dict: "embeddings.ln.bias"')):
+        torch.save({**ckpt, **edit}, run_dir / "ckpt.pt")
+        lines = (run_dir / "log.jsonl").read_text()
+        code, _, err = run_main(["--resume", run_dir, "--max_steps", 10], capsys)
+        assert code == 2
+        one_error(err, needle)
+        assert (run_dir / "log.jsonl").read_text() == lines
 
 
 def test_resume_with_another_batch_size_continues_at_the_same_sequence(corpus, cache, tmp_path, capsys,

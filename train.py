@@ -462,11 +462,15 @@ def train(cfg, ckpt=None):
             for group, decay in zip(state["param_groups"], (cfg.weight_decay, 0.0)):
                 group.update(betas=(0.9, cfg.beta2), eps=cfg.adam_eps, weight_decay=decay, fused=device_type == "cuda")
             optimizer.load_state_dict(state)
+            for p, moments in optimizer.state.items():  # load_state_dict does not check: a mismatch fails mid-step
+                if any(torch.is_tensor(v) and v.dim() and v.shape != p.shape for v in moments.values()):
+                    raise ValueError(f"optimizer state of shape {[tuple(v.shape) for v in moments.values()]} for a "
+                                     f"weight of shape {tuple(p.shape)}")
             train_loader.load_state_dict(ckpt["loader"])  # global sequences read: exact on any batch / world size
             if scaler.is_enabled() and ckpt["scaler"]:  # a bf16 / fp32 run saved an empty state: a fresh scale
                 scaler.load_state_dict(ckpt["scaler"])
         except (RuntimeError, ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"--resume: checkpoint does not match this run ({str(e).splitlines()[0][:200]})") from None
+            raise ValueError(f"--resume: checkpoint does not match this run ({' '.join(str(e).split())[:300]})") from None
         step = saved_step = ckpt["step"]
 
     # compile the encoder's forward (fixed shapes, so never a recompile): +28% tokens/s measured on an
