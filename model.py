@@ -245,6 +245,8 @@ class Bert(nn.Module):
                 raise ValueError(f"{source}: missing weight {missing[0]} (not a BERT checkpoint of this shape?)")
             tensor = torch.cat([state[t] for t in theirs]) if len(theirs) > 1 else state[theirs[0]]
             target = own[ours]
+            if not tensor.is_floating_point():  # copy_ would cast integers silently
+                raise ValueError(f"{source}: {theirs[0]} holds {tensor.dtype}, not floating-point weights")
             if tensor.shape[1:] != target.shape[1:]:
                 raise ValueError(f"{source}: {theirs[0]} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
             if ours in ("embeddings.word.weight", "head.bias"):  # pad the vocab rows with zeros
@@ -257,8 +259,12 @@ class Bert(nn.Module):
             target.copy_(tensor)
         if "bert.pooler.dense.weight" in state:
             self.pooler = nn.Linear(self.config.hidden_size, self.config.hidden_size)
-            self.pooler.weight.data.copy_(state["bert.pooler.dense.weight"])
-            self.pooler.bias.data.copy_(state["bert.pooler.dense.bias"])
+            for name, target in self.pooler.named_parameters():
+                tensor = state.get(f"bert.pooler.dense.{name}")
+                if tensor is None or tensor.shape != target.shape or not tensor.is_floating_point():
+                    found = "missing" if tensor is None else f"{tuple(tensor.shape)} {tensor.dtype}"
+                    raise ValueError(f"{source}: bert.pooler.dense.{name} is {found}, expected {tuple(target.shape)}")
+                target.data.copy_(tensor)
 
     def hf_state_dict(self):
         """Weights under Hugging Face BertForMaskedLM names, vocab padding removed."""

@@ -1,6 +1,7 @@
 """model.py against Hugging Face transformers.BertForMaskedLM on the same random weights."""
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -187,6 +188,23 @@ def test_bad_checkpoints_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="corrupt"):
         Bert.from_pretrained(str(bad))
     assert os.path.isfile(tmp_path / "model.safetensors")  # nothing saved was removed
+
+
+@pytest.mark.parametrize("edit,problem", [
+    (lambda s: s.pop("bert.pooler.dense.bias"), "bert.pooler.dense.bias is missing"),
+    (lambda s: s.update({"bert.pooler.dense.weight": s["bert.pooler.dense.weight"][:4]}), "is (4, 32)"),
+    (lambda s: s.update({"bert.embeddings.LayerNorm.weight": torch.ones(32, dtype=torch.int64)}), "holds torch.int64"),
+])
+def test_weights_of_the_wrong_kind_are_clear_errors(tmp_path, edit, problem):
+    from safetensors.torch import load_file, save_file
+    ours = Bert(BertConfig(**TINY))
+    ours.pooler = torch.nn.Linear(32, 32)
+    ours.save_pretrained(str(tmp_path))
+    state = load_file(tmp_path / "model.safetensors")
+    edit(state)
+    save_file(state, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        Bert.from_pretrained(str(tmp_path))
 
 
 @pytest.mark.parametrize("edit,problem", [
