@@ -351,6 +351,8 @@ def main(argv=None):
         p.error(f"--warmup {args.warmup}: must be >= 0")
     if not 0 <= args.dropout < 1:  # NaN fails too
         p.error(f"--dropout {args.dropout}: must be in [0, 1)")
+    if args.json and os.path.isdir(args.json):
+        p.error(f"--json {args.json}: a directory; name the file to write, e.g. {os.path.join(args.json, 'bench.json')}")
     for flag, path in (("json", os.path.dirname(os.path.abspath(args.json)) if args.json else ""),
                        ("out_dir", args.out_dir if args.profile else "")):
         problem = path and dir_problem(path)

@@ -588,8 +588,11 @@ def main(argv=None):
     if glue_to_do and not args.glue_dir and not offline and not args.dry_run and not hub_reachable():
         p.error("huggingface.co is unreachable and no --glue_dir was given: GLUE would fail after the pretraining "
                 "(pass --glue_dir DIR, or set HF_HUB_OFFLINE=1 to read the hub cache)")
-    os.makedirs(args.out_dir, exist_ok=True)
-    lock = None if args.dry_run else try_lock(os.path.join(args.out_dir, ".reproduce.lock"))  # held to the end
+    try:
+        os.makedirs(args.out_dir, exist_ok=True)
+        lock = None if args.dry_run else try_lock(os.path.join(args.out_dir, ".reproduce.lock"))  # held to the end
+    except OSError as e:  # read-only, or .reproduce.lock is not a file
+        p.error(f"--out_dir {args.out_dir}: cannot be written ({e.strerror}: {e.filename})")
     if lock is None and not args.dry_run:
         sys.exit(f"error: --out_dir {args.out_dir} is in use by another reproduce.py")
     # every call on an out_dir must mean the same runs: a skipped stage must not pass off another setting's output

@@ -1,4 +1,5 @@
 """bench.py runs on CPU with the tiny model: every objective, the Hugging Face baseline, the profiler."""
+import os
 import types
 from dataclasses import replace
 
@@ -105,7 +106,8 @@ def test_interleave_times_one_step_of_each_run_in_turn(capsys):
 @pytest.mark.parametrize("argv", [["--bogus"], ["--objectives", "mlm,nope"], ["--model_size", "huge"],
                                   ["--steps", "0"], ["--gen_shape", "nope"], ["--interleave", "--profile"],
                                   ["--dropout", "1"], ["--dropout", "nan"], ["--taco_negatives", "0"], ["--warmup", "-3"],
-                                  ["--device", "mps"], ["--json", __file__ + "/x.json"]])
+                                  ["--device", "mps"], ["--json", __file__ + "/x.json"],
+                                  ["--json", os.path.dirname(os.path.abspath(__file__))]])
 def test_bad_flags_give_one_error_line_and_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         bench.main(argv)

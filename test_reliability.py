@@ -97,6 +97,13 @@ def test_every_bad_flag_is_one_error_line(corpus, cache, tmp_path, capsys):
     one_error(err, "--taco_negatives", f"<= {7 * 32}")
 
 
+def test_a_lock_that_cannot_be_opened_is_one_error_line(corpus, cache, tmp_path, capsys):
+    (tmp_path / "run" / ".lock").mkdir(parents=True)
+    code, out, err = run_main(flags(corpus, cache, tmp_path / "run"), capsys)
+    assert code == 2
+    one_error(err, "cannot open the run's lock file")
+
+
 def test_more_torchrun_processes_than_gpus_is_one_error_line(corpus, cache, tmp_path, capsys, monkeypatch):
     # torchrun --nproc_per_node=2 on a 1-GPU machine: rank 1 would die in cuda.set_device("cuda:1")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -140,6 +140,9 @@ def test_bad_input_is_refused_before_any_work(tmp_path):
     assert not (out / "mlm").exists()
     (tmp_path / "file").write_text("x")
     assert "must name a directory" in reproduce_error(["--out_dir", str(tmp_path / "file")], tmp_path)
+    (tmp_path / "locked" / ".reproduce.lock").mkdir(parents=True)  # not a file: no lock can be taken
+    line = reproduce_error(["--out_dir", str(tmp_path / "locked"), "--only", "pretrain"], tmp_path)
+    assert "cannot be written (Is a directory" in line
     # an out_dir made with other settings is refused, whatever the stage: its outputs would pass for this one's
     out.mkdir()
     (out / "reproduce.json").write_text(json.dumps(dict(scale="toy", data="", seed=1337, steps=20, extra_steps=10,

@@ -110,7 +110,10 @@ def take_lock(out_dir):
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, ".lock")
     while True:
-        f = open(path, "a+")
+        try:
+            f = open(path, "a+")
+        except OSError as e:  # .lock is a directory, or unwritable
+            raise ValueError(f"cannot open the run's lock file {path} ({e.strerror})") from None
         try:
             if os.name == "nt":  # Windows has no flock: lock the first byte
                 import msvcrt
