@@ -277,7 +277,8 @@ def load_task(task, glue_dir=None, test=False):
             test_sets[stem] = ds.select_columns([*names, "idx"]).rename_columns({**names, "idx": "index"})
     empty = [k for k, ds in splits.items() if len(ds) == 0]
     if empty:
-        raise TaskMissing(f"the {empty[0]} split has no rows")
+        stem = "train" if empty[0] == "train" else task.dev[empty[0]][0]  # "" -> dev, "m" -> dev_matched
+        raise TaskMissing(f"the {stem} split has no rows")
     return {"train": splits.pop("train"), "dev": splits, **({"test": test_sets} if test else {})}
 
 

@@ -647,3 +647,10 @@ def test_an_unwritable_model_directory_is_refused_before_fine_tuning(tmp_path, t
     err = run_main_error(["--model", str(tiny_model_dir), "--glue_dir", str(write_glue(tmp_path / "glue")),
                           "--tasks", "rte"], capsys)
     assert f"cannot write GLUE results into {tiny_model_dir}" in err and "--out DIR" in err
+
+
+def test_a_dev_set_without_rows_is_named(tmp_path, tiny_model_dir, capsys):
+    glue = write_glue(tmp_path / "glue")
+    (glue / "STS-B" / "dev.tsv").write_text((glue / "STS-B" / "dev.tsv").read_text().split("\n")[0])  # a header
+    err = run_main_error(["--model", str(tiny_model_dir), "--glue_dir", str(glue), "--tasks", "stsb"], capsys)
+    assert "stsb: the dev split has no rows" in err

@@ -424,7 +424,10 @@ def train(cfg, ckpt=None):
                                     seed=cfg.seed, **loader_args)
     # the held-out set must not follow the per-process batch (lowered by the process count): a fixed row
     # count, the negative pool where there is one, so TACO's held-out negatives match training's
-    val_loader = data.BlockLoader(val_tokens, batch_size=cfg.negative_pool or 16, seed=0, **loader_args)
+    try:
+        val_loader = data.BlockLoader(val_tokens, batch_size=cfg.negative_pool or 16, seed=0, **loader_args)
+    except ValueError as e:
+        raise ValueError(f"the held-out split (--val_fraction {cfg.val_fraction}): {e}") from None
     val_loader.start_state = val_loader.state_dict()
 
     # ---- model and objective
@@ -435,8 +438,9 @@ def train(cfg, ckpt=None):
     elif init_model:
         mine = (init_model.config.vocab_size, init_model.config.mask_token_id, init_model.config.cls_token_id)
         if mine != (model_config.vocab_size, special["mask"], special["cls"]):
-            raise ValueError(f"--init_from {cfg.init_from}: its vocabulary (size {mine[0]}) does not match the "
-                             f"tokenizer's (size {model_config.vocab_size}); pass --tokenizer {init_dir(cfg.init_from)}")
+            raise ValueError(f"--init_from {cfg.init_from}: its vocabulary (size, [MASK], [CLS] = {mine}) does not "
+                             f"match the tokenizer's ({model_config.vocab_size}, {special['mask']}, {special['cls']}); "
+                             f"pass --tokenizer {init_dir(cfg.init_from)}")
         model_config = replace(init_model.config, dropout=cfg.dropout)
     model = Bert(model_config)
     if init_model:
