@@ -340,3 +340,31 @@ def test_torchrun_sigterm_saves_then_resumes_on_one_process(corpus, tmp_path):
     assert ckpt["step"] == step + 4 and ckpt["loader"] == {"sequences": (step + 4) * sequences_per_step}
     _, records = read_log(tmp_path / "ddp")
     assert max(x["step"] for x in records if "loss" in x) == step + 4
+
+
+def test_held_out_draws_are_the_same_for_every_seed_and_objective():
+    # one ruler for every run: held-out batch i is drawn from seed i, whatever --seed is and however many
+    # draws the objective makes after its masks (TACO's negatives used to move the later batches' masks)
+    import contextlib
+    import numpy as np
+    import data
+
+    class Recorder(torch.nn.Module):
+        def __init__(self, extra):
+            super().__init__()
+            self.extra, self.first = extra, []
+
+        def forward(self, model, batch, gen):
+            self.first.append(torch.randint(2 ** 30, (1,), generator=gen).item())  # the masks' first draw
+            torch.rand(self.extra, generator=gen)  # an objective's own later draws
+            return None, {}
+
+    loader = data.BlockLoader(np.arange(5000, dtype=np.int32), seq_len=16, batch_size=4, cls_id=2, sep_id=3)
+    loader.start_state = loader.state_dict()
+    seen = []
+    for seed, extra in ((1, 0), (2, 0), (1, 1000)):
+        recorder = Recorder(extra)
+        cfg = config.TrainConfig(seed=seed, eval_batches=3)
+        train.evaluate(torch.nn.Linear(1, 1), recorder, loader, cfg, "cpu", contextlib.nullcontext())
+        seen.append(recorder.first)
+    assert seen[0] == seen[1] == seen[2] and len(set(seen[0])) == 3

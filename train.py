@@ -296,12 +296,14 @@ def gpu_peak_flops(device):
 def evaluate(model, objective, val_loader, cfg, device, autocast):
     """The objective's metrics on a fixed set of held-out blocks with fixed random draws:
     val_mlm_loss / val_mlm_acc for MLM, TACO and TaCL, the generator's val_gen_loss for
-    ELECTRA and COCO-LM (their main model has no MLM head)."""
+    ELECTRA and COCO-LM (their main model has no MLM head). Batch i is drawn with seed i whatever
+    the run's --seed and objective: every run is scored on the same masks, so two runs compare."""
     model.eval(), objective.eval()
-    gen = torch.Generator(device).manual_seed(cfg.seed)
+    gen = torch.Generator(device)
     val_loader.load_state_dict(val_loader.start_state)
     totals = {}
-    for _ in range(cfg.eval_batches):
+    for i in range(cfg.eval_batches):
+        gen.manual_seed(i)  # not one stream: TACO's extra draws would move the masks of the batches after
         with autocast:
             _, metrics = objective(model, {"input_ids": val_loader.next_batch()}, gen)
         for k, v in metrics.items():
