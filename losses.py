@@ -249,8 +249,9 @@ def gather_dot(anchor, targets, index):
 @functools.cache
 def fused_gather_dot():
     """gather_dot as one compiled kernel (CUDA, --compile): each negative is read from `targets` and summed in
-    fp32, never written out. targets are fp32 even under autocast (g comes from LayerNorms, which autocast
-    runs in fp32): 64 MB at b256 s128 on BERT-small, above an H100's 50 MB L2; bf16 targets would fit, untried. Built on first use: importing the compiler costs seconds, and CPU runs stay eager. Written as a product
+    fp32, never written out. targets are fp32 even under autocast (g comes from LayerNorms, which CUDA autocast
+    runs in fp32): 64 MB at b256 s128 on BERT-small, above an H100's 50 MB L2; bf16 targets would fit, untried.
+    Built on first use: importing the compiler costs seconds, and CPU runs stay eager. Written as a product
     and a sum, not gather_dot's einsum: the same speed on CPU, and no reliance on the compiler not lowering the
     einsum to a batched matmul of the gathered (B, T, K, D) tensor on the GPU."""
     return torch.compile(lambda anchor, targets, index: (anchor[:, :, None, :] * upcast(targets[index])).sum(-1),
@@ -328,29 +329,31 @@ class TACO(nn.Module):
             raise ValueError("TACO draws negatives from the other sequences of its pool: it needs batch size and "
                              "negative_pool >= 2")
         valid = non_pad(x, attention_mask)
-        # MLM on the corrupted input, keeping the embedding layer's output for g
+        # MLM on the corrupted input, keeping the embedding layer's output for g: the paper's "static embedding"
+        # e is that whole output (word + position + type, LayerNorm, dropout), as in the official code
         corrupted, positions, labels = mask_tokens(x, model.config, gen, self.mask_prob, attention_mask=attention_mask)
         h, emb = model(corrupted, attention_mask=attention_mask, return_embeddings=True)
         loss, metrics = mlm_loss(model, h, x, positions, labels, attention_mask, self.predict_all)
-        # global semantics g = h - emb, out of place (the official in-place -= fails in fp32)
+        # Eq. 3, 9, 10: global semantics g = h - e, out of place (the official in-place -= fails in fp32)
         g = F.normalize(h - emb, dim=-1)  # (B, T, D)
         if self.anchors == "all":
             anchors = valid
         else:
             anchors = torch.zeros_like(valid).scatter(1, positions, labels != -100)
-        # draw one positive and K negatives per position; stop-gradient on both
+        # draw one positive and K negatives per position; stop-gradient on both unless taco_stop_grad is off
         positive, negatives = taco_samples(valid, self.window, self.num_negatives, gen, pool)
         targets = (g.detach() if self.stop_grad else g).flatten(0, 1)  # (B*T, D), in g's dtype; upcast per chunk
         with torch.autocast(x.device.type, enabled=False):  # fp32: bf16 cosines / tau lose ~2 digits
             g = upcast(g)
             pos_cos = (g * upcast(targets[positive])).sum(-1)  # (B, T)
             neg_cos = NegativeDots.apply(g, targets, negatives, self.fused_scoring and g.is_cuda)  # (B, T, K)
-            # InfoNCE with the positive at index 0
+            # Eq. 7: f = cos / tau; Eq. 6: InfoNCE with the positive at index 0 (the paper prints it without exp)
             logits = torch.cat([pos_cos[..., None], neg_cos], dim=-1) / self.temperature
+            # Eq. 8, as the official code: a mean over all anchors (the paper: per sequence, then over sequences)
             tc_loss = masked_mean(torch.logsumexp(logits, -1) - logits[..., 0], anchors)
         metrics.update(tc_loss=tc_loss.detach(), pos_cos=masked_mean(pos_cos, anchors).detach(),
                        neg_cos=masked_mean(neg_cos.mean(-1), anchors).detach())
-        return loss + self.weight * tc_loss, metrics
+        return loss + self.weight * tc_loss, metrics  # Eq. 11, with lambda
 
 
 class TaCL(nn.Module):
