@@ -562,6 +562,12 @@ def test_provenance_records_commit_and_diff(corpus, cache, tmp_path, capsys, mon
     diff = (tmp_path / "out" / "code.diff").read_text()
     assert prov["git_commit"] == head and prov["dirty"] and "+weight = 0.5" in diff
     assert prov["diff_sha1"] == hashlib.sha1(diff.encode()).hexdigest()
+    # an ablation in a new, untracked module is part of the code that ran
+    git("checkout", "-q", "losses.py")
+    (repo / "my_loss.py").write_text("def loss(): return 0\n")
+    prov = train.provenance(str(tmp_path / "out"))
+    diff = (tmp_path / "out" / "code.diff").read_text()
+    assert prov["dirty"] and "untracked file my_loss.py:\n+def loss(): return 0" in diff
     # outside a git checkout: no commit, no failure
     monkeypatch.setenv("GIT_DIR", str(tmp_path / "nowhere"))
     prov = train.provenance(str(tmp_path / "out2"))

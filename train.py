@@ -203,7 +203,8 @@ def repair_log(path):
 
 def provenance(out_dir=None, diff_name="code.diff"):
     """The code that ran: git commit, whether the checkout had local changes (and the sha1 of
-    `git diff HEAD`, saved as out_dir/diff_name), torch version, host. Outside git: commit None."""
+    `git diff HEAD` plus any untracked .py file, saved as out_dir/diff_name), torch version, host.
+    Outside git: commit None."""
     here = os.path.dirname(os.path.abspath(__file__))
     git = lambda *args: subprocess.run(["git", *args], cwd=here, capture_output=True, text=True, timeout=30)
     commit, diff = None, ""
@@ -211,6 +212,10 @@ def provenance(out_dir=None, diff_name="code.diff"):
         out = git("rev-parse", "HEAD")
         if out.returncode == 0:
             commit, diff = out.stdout.strip(), git("diff", "HEAD").stdout
+            top = git("rev-parse", "--show-toplevel").stdout.strip()
+            for name in git("ls-files", "--others", "--exclude-standard", "--full-name", ":/*.py").stdout.split():
+                with open(os.path.join(top, name), encoding="utf-8", errors="replace") as f:  # an ablation's new module
+                    diff += f"untracked file {name}:\n" + "".join("+" + line for line in f)
     except (OSError, subprocess.SubprocessError):
         pass
     if diff and out_dir:
