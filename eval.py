@@ -205,13 +205,16 @@ def read_tsv(path, task, test=False):
     lacking = [c for c in task.tsv_text + (target,) if c not in col]
     if lacking:
         raise ValueError(f"{path}: no column {lacking[0]!r} in the header {header}")
-    rows = {"text_a": [], "text_b": [], "index" if test else "label": []}
+    rows, seen = {"text_a": [], "text_b": [], "index" if test else "label": []}, set()
     for lineno, line in enumerate(lines[first:], first + 1):
         cells = line.split("\t")
         if len(cells) != len(header):
             raise ValueError(f"{path}:{lineno}: expected {len(header)} tab-separated columns, got {len(cells)}")
         raw = cells[col[target]]
         if test:
+            if not raw.strip() or raw in seen:  # the leaderboard matches predictions to rows by index
+                raise ValueError(f"{path}:{lineno}: {'an empty' if not raw.strip() else 'a repeated'} index {raw!r}")
+            seen.add(raw)
             rows["index"].append(raw)
         else:
             try:

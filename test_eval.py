@@ -654,3 +654,13 @@ def test_a_dev_set_without_rows_is_named(tmp_path, tiny_model_dir, capsys):
     (glue / "STS-B" / "dev.tsv").write_text((glue / "STS-B" / "dev.tsv").read_text().split("\n")[0])  # a header
     err = run_main_error(["--model", str(tiny_model_dir), "--glue_dir", str(glue), "--tasks", "stsb"], capsys)
     assert "stsb: the dev split has no rows" in err
+
+
+def test_a_test_set_index_must_be_unique_and_present(tmp_path):
+    glue = write_glue(tmp_path / "glue")
+    path = glue / "CoLA" / "test.tsv"
+    lines = path.read_text().split("\n")
+    for bad, needle in ((lines[1].split("\t")[0], "a repeated index"), ("", "an empty index")):
+        path.write_text("\n".join(lines[:2] + [bad + "\t" + lines[2].split("\t", 1)[1]] + lines[3:]))
+        with pytest.raises(ValueError, match=f"test.tsv:3: {needle}"):
+            ev.read_tsv(str(path), ev.TASKS["cola"], test=True)
