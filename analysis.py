@@ -538,8 +538,9 @@ def run_analysis(args):
     if not models:
         raise ValueError("--analysis needs --model DIR [DIR ...]")
     out = args.out or (models[0] if os.path.isdir(models[0]) else os.path.dirname(models[0]) or ".")
-    if dir_problem(out):  # before any work: the default --out is the model's own directory
-        raise ValueError(f"cannot write the analysis into {out}: it {dir_problem(out)}; pass --out DIR")
+    problem = dir_problem(out)
+    if problem:  # before any work: the default --out is the model's own directory
+        raise ValueError(f"cannot write the analysis into {out}: it {problem}; pass --out DIR")
     os.makedirs(out, exist_ok=True)
     documents, text_source = held_out_documents(args.text, models[0])
     sentences = load_sentences(documents, args.num_sentences, args.seed)

@@ -791,8 +791,9 @@ def run_glue(args, log=print):
                 f"TACO Table 8, {args.num_combos} combinations per task drawn with --grid_seed {args.grid_seed}")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     out = args.out or model_dir
-    if dir_problem(out):  # before any fine-tuning: the default --out is the model's own directory
-        raise ValueError(f"cannot write GLUE results into {out}: it {dir_problem(out)}; pass --out DIR")
+    problem = dir_problem(out)
+    if problem:  # before any fine-tuning: the default --out is the model's own directory
+        raise ValueError(f"cannot write GLUE results into {out}: it {problem}; pass --out DIR")
     log(f"{args.model}: {base.num_params() / 1e6:.1f}M parameters ({size}), {protocol}, seeds {seeds}, {device}"
         + (f"; flags override {overrides}" if overrides else ""))
     if args.max_train_samples:
