@@ -110,7 +110,7 @@ PRESET_SOURCES = {
                   batch_size="ours: a per-process cap; accumulation makes up 1,280",
                   negative_pool="ours: the paper's per-GPU batch (1,280 on 16 GPUs), kept on any layout"),
     "tacl": dict(model_size="TaCL: bert-base-uncased", seq_len="TaCL script: max_len 256",
-                 tokens_per_step="TaCL script: effective batch 256", max_steps="TaCL script: 150,010 steps",
+                 tokens_per_step="TaCL script: effective batch 256", max_steps="TaCL: 150k steps (its script: 150,010)",
                  warmup_steps="TaCL train.py: 10% of steps", lr="TaCL script", adam_eps="transformers AdamW default",
                  weight_decay="transformers AdamW default", grad_clip="TaCL train.py: max_grad_norm 1.0"),
 }

@@ -590,7 +590,7 @@ def test_base_protocol_end_to_end(tmp_path, tiny_model_dir):
              "--num_combos", "2", "--epochs", "1", "--predict", "--out", str(out)])
     saved = json.loads((out / "glue.json").read_text())
     cola = saved["tasks"]["cola"]
-    assert list(cola["runs"]) == ["combo 1 seed 1", "combo 2 seed 1"] and saved["runs_per_task"] == 2
+    assert list(cola["runs"]) == ["combo 1 seed 1", "combo 2 seed 1001"] and saved["runs_per_task"] == 2
     drawn = [{k: run["hparams"][k] for k in ("lr", "batch_size", "warmup")} for run in cola["runs"].values()]
     expected = ev.recipe_runs(ev.TASKS["cola"], "paper", "base", num_combos=2)
     assert drawn == [{k: e[k] for k in ("lr", "batch_size", "warmup")} for e in expected]
