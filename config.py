@@ -24,14 +24,14 @@ from model import BertConfig, MODEL_PRESETS, load_checkpoint_file
 class TrainConfig:
     # what to train
     objective: str = "mlm"  # mlm | taco | tacl | cocolm | electra (losses.LOSSES)
-    preset: str = "smoke"  # smoke (tiny, CPU) | small | base: sets the defaults below, flags override
+    preset: str = "smoke"  # smoke (tiny, CPU) | small | base | tacl (TaCL's, needs --init_from): sets the defaults below, flags override
     model_size: str = "tiny"  # model.MODEL_PRESETS: tiny | small (TACO's BERT-small) | base
     init_from: str = ""  # start from these weights: a run dir, a ckpt.pt, or a Hugging Face BERT dir
     resume: str = ""  # continue a run exactly: its out_dir or ckpt.pt
     # data
     data: str = DEFAULT_DATA  # a local file / dir / glob, or a datasets hub name ("name:config"); smoke: the sample in assets/
     tokenizer: str = ""  # tokenizer.json, vocab.txt, a dir with them or a hub name (bert-base-uncased); empty = the init_from dir's, else train one
-    vocab_size: int = 30522  # size of a newly trained WordPiece vocabulary (BERT's)
+    vocab_size: int = 30522  # size of a newly trained WordPiece vocabulary (BERT's 30,522; smoke: 8,192)
     val_fraction: float = 0.005  # share of the corpus held out for the validation MLM loss
     cache_dir: str = "cache"  # tokenizers and token files, reused across runs
     seq_len: int = 128  # tokens per packed block, [CLS] and [SEP] included
@@ -45,7 +45,7 @@ class TrainConfig:
     beta2: float = 0.999  # AdamW beta2 (Table 5; RoBERTa's 0.98 is steadier with huge batches)
     adam_eps: float = 1e-8  # AdamW epsilon (Table 5; BERT and RoBERTa use 1e-6)
     grad_clip: float = 1.0  # clip the global grad norm (0 = off)
-    dropout: float = 0.1  # BERT pretraining dropout (hidden and attention)
+    dropout: float = 0.1  # BERT pretraining dropout, hidden and attention (smoke: 0, a 300-step run has nothing to regularise)
     mask_prob: float = 0.15  # share of non-special tokens selected for prediction (BERT)
     # objective hyperparameters, with their sources
     mlm_predict_all: bool = False  # MLM+TP ablation (TACO §5.2): also predict every unmasked token
@@ -213,7 +213,7 @@ MINIMUM = dict(seq_len=(3, "room for [CLS] and [SEP]"), batch_size=(1, ""), toke
                taco_window=(2, "positives within +-W//2: W = 2 is the smallest with one offset"),
                taco_negatives=(1, ""), taco_weight=(0, ""), cocolm_copy_weight=(0, ""), electra_disc_weight=(0, ""))
 POSITIVE = ("lr", "adam_eps", "taco_temperature", "tacl_temperature", "cocolm_scl_temperature")
-# half-open ranges (low, high, low included, high included)
+# ranges (low, high, low included, high included)
 RANGES = dict(mask_prob=(0, 1, False, False), dropout=(0, 1, True, False), beta2=(0, 1, True, False),
               cocolm_crop_fraction=(0, 1, False, True), val_fraction=(0, 0.5, False, True))
 

@@ -565,21 +565,12 @@ class BlockLoader:
         return {"sequences": self.sequences}
 
     def load_state_dict(self, state):
-        if "sequences" in state:
-            sequences = int(state["sequences"])
-        elif "epoch" in state and "step" in state:
-            # the previous format: `step` global batches of B*world_size into `epoch`, exact when resumed
-            # with the same batch_size and world_size (the only layout that format could resume)
-            sequences = int(state["epoch"]) * self.num_blocks + int(state["step"]) * self.batch_size * self.world_size
-        else:
+        if "sequences" not in state:
             raise ValueError(f"data loader state {state!r} has no 'sequences' count")
+        sequences = int(state["sequences"])
         if sequences < 0:
             raise ValueError(f"data loader state {state!r}: negative position")
         self.sequences = sequences
-
-    def epochs_done(self):
-        """Passes over the data so far (a float): sequences consumed / num_blocks."""
-        return self.sequences / self.num_blocks
 
     def _blocks(self, start, count):
         """Block indices at stream positions [start, start + count)."""

@@ -258,13 +258,13 @@ def fused_gather_dot():
                          dynamic=False)
 
 
-NEGATIVE_CHUNK_FLOATS = 2 ** 20  # 4 MB of fp32 per chunk of gathered negatives: stays in cache
+NEGATIVE_CHUNK_FLOATS = 2 ** 20  # 4 MB of fp32 per chunk of gathered negatives (stays in cache), or one negative
 
 
 class NegativeDots(torch.autograd.Function):
     """gather_dot for all K negatives without a (B, T, K, D) tensor: 3.4 GB in fp32 at b256 s128 on
     BERT-small with K = 50, which autograd kept for backward. Forward: fused_gather_dot if `fused`, else
-    K in chunks of at most NEGATIVE_CHUNK_FLOATS gathered floats (3-4x faster than one gather on CPU).
+    K in chunks of NEGATIVE_CHUNK_FLOATS gathered floats, at least one negative (3-4x faster than one gather on CPU).
     Backward: the anchor's gradient sum_k grad_k targets[n_k] is a weighted embedding bag; the targets'
     (taco_stop_grad=False only) an index_add per chunk. Same values and gradients as gather_dot (test_losses.py)."""
 
@@ -461,7 +461,7 @@ class Generator(nn.Module):
 
     def forward(self, model, input_ids, attention_mask, gen, mask_prob, mask_frac, random_frac):
         """Mask x, train the generator by MLM on it, and put its samples at the masked positions.
-        Returns (replaced ids, positions, labels, gen_loss, gen_acc)."""
+        Returns (x_mlm: the ids with the samples in, positions, labels, gen_loss, gen_acc)."""
         corrupted, positions, labels = mask_tokens(input_ids, model.config, gen, mask_prob, mask_frac, random_frac,
                                                    attention_mask)
         logits = self.logits(model, corrupted, attention_mask, positions)
@@ -477,8 +477,8 @@ class Generator(nn.Module):
             self.train()
             model.embeddings.train(embeddings_training)
         sampled = sample_tokens(sample_logits, gen).view_as(positions)
-        replaced = input_ids.scatter(1, positions, torch.where(labels != -100, sampled, input_ids.gather(1, positions)))
-        return replaced, positions, labels, gen_loss, accuracy(logits.detach(), labels.flatten())
+        x_mlm = input_ids.scatter(1, positions, torch.where(labels != -100, sampled, input_ids.gather(1, positions)))
+        return x_mlm, positions, labels, gen_loss, accuracy(logits.detach(), labels.flatten())
 
 
 def crop_views(input_ids, config, gen, fraction=0.9, attention_mask=None):

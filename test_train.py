@@ -99,14 +99,16 @@ def test_micro_batching_keeps_the_global_batch():
 def test_gradient_accumulation_averages_the_micro_batches(corpus, tmp_path, monkeypatch):
     # each micro-batch's loss is divided by grad_accum: the gradient the step clips and applies is the mean of
     # the micro-batches' own gradients, as one batch of them all would give. Adam's first step hides a 2x scale,
-    # so the gradients are read, in process: each micro-batch's by autograd.grad, the accumulated one at clipping
-    micro, accumulated = [], []
+    # so the gradients are read, in process: each micro-batch's by autograd.grad, the accumulated one at clipping.
+    # The logged loss and terms are the micro-batches' mean too, not the last one's
+    micro, accumulated, terms = [], [], []
     forward, clip = train.Pretrainer.forward, torch.nn.utils.clip_grad_norm_
 
     def recording_forward(self, batch, gen):
         loss, metrics = forward(self, batch, gen)
         params = list(self.parameters())
         micro.append(dict(zip(map(id, params), torch.autograd.grad(loss, params, retain_graph=True))))
+        terms.append({"loss": float(loss), **{k: float(v) for k, v in metrics.items()}})
         return loss, metrics
 
     def recording_clip(params, max_norm):
@@ -120,6 +122,10 @@ def test_gradient_accumulation_averages_the_micro_batches(corpus, tmp_path, monk
     assert len(micro) == 2 and len(accumulated) == 1
     for key, grad in accumulated[0].items():
         torch.testing.assert_close(grad, (micro[0][key] + micro[1][key]) / 2, rtol=1e-5, atol=1e-8)
+    logged = next(r for r in read_log(tmp_path / "run")[1] if "loss" in r)
+    assert terms[0]["loss"] != terms[1]["loss"]
+    for k in terms[0]:
+        assert logged[k] == pytest.approx((terms[0][k] + terms[1][k]) / 2, rel=1e-6), k
 
 
 def test_small_and_base_presets_are_taco_table_5():
@@ -214,6 +220,17 @@ def test_tacl_needs_init_from_then_continues_an_mlm_run(corpus, tmp_path):
     train_lines = [x for x in records if "loss" in x]
     losses = [x["loss"] for x in train_lines]
     assert "tacl_loss" in train_lines[0] and losses[-1] < losses[0], losses
+
+
+def test_the_same_weights_score_the_same_for_every_seed(corpus, tmp_path):
+    # the step-0 evaluation of one set of weights, contextual score included, does not depend on --seed
+    assert run(common(corpus, tmp_path, out="mlm", max_steps=5, ckpt_interval=5)).returncode == 0
+    for seed in (1, 2):
+        r = run(common(corpus, tmp_path, out=f"seed{seed}", max_steps=1, warmup_steps=0, seed=seed,
+                       init_from=tmp_path / "mlm"))
+        assert r.returncode == 0, r.stderr
+    first = [read_log(tmp_path / f"seed{seed}")[1][0] for seed in (1, 2)]
+    assert first[0]["step"] == 0 and "contextual_score" in first[0] and first[0] == first[1]
 
 
 def test_init_from_a_hugging_face_bert_model_with_a_pooler(corpus, tmp_path):

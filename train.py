@@ -361,7 +361,7 @@ DDP_TIMEOUT = timedelta(minutes=15)
 # Wikipedia: that one barrier runs on its own gloo group with a long timeout (NCCL's default of
 # 10 min would kill the job), so the training collectives keep the short one above
 DATA_TIMEOUT = timedelta(hours=6)
-NOT_YET = 2 ** 62  # first_bad holds this until a non-finite loss is seen
+NOT_YET = 2 ** 62  # first_bad holds this until a non-finite loss or gradient norm is seen
 
 
 def train(cfg, ckpt=None):
@@ -487,7 +487,7 @@ def train(cfg, ckpt=None):
             raise ValueError(f"--resume: checkpoint does not match this run ({' '.join(str(e).split())[:300]})") from None
         step = saved_step = ckpt["step"]
 
-    # compile the encoder's forward (fixed shapes, so never a recompile): +28% tokens/s measured on an
+    # compile the encoder's forward (fixed shapes: one graph, two for COCO-LM's crop): +28% tokens/s on an
     # H100 (README, Efficiency notes). Compiling the whole step graph-breaks at every seeded random
     # draw and is unmeasured on GPU (bench.py --compile 2). The compiled wrapper shares the raw
     # model's weights: saving and evaluation use the raw one. TACO compiles its negative scoring itself
@@ -539,7 +539,7 @@ def train(cfg, ckpt=None):
             log_file.write(json.dumps(record) + "\n")
             log_file.flush()
 
-    first_bad = torch.full((), NOT_YET, dtype=torch.long, device=device)  # first step with a non-finite loss
+    first_bad = torch.full((), NOT_YET, dtype=torch.long, device=device)  # first step with a non-finite loss/grad norm
 
     def check_finite(metrics, collective=True, weights=False):
         """Stop with Diverged on a non-finite loss / grad norm since the last check (the device-side
@@ -584,7 +584,7 @@ def train(cfg, ckpt=None):
             record = {"step": step, **evaluate(model, objective, val_loader, cfg, device, autocast)}
             # TACO Fig. 3/6: how contextual the token states are, and how close co-occurring words' embeddings are
             val_loader.load_state_dict(val_loader.start_state)
-            gen = torch.Generator(device).manual_seed(cfg.seed)
+            gen = torch.Generator(device).manual_seed(0)  # the same partner draws for every --seed (fidelity note 26)
             record["contextual_score"] = contextual_score(model, val_loader.next_batch(), gen, special)["contextual"]
             wordsim = wordsim_similarity(model, tok)
             if wordsim is not None:
@@ -630,7 +630,7 @@ def train(cfg, ckpt=None):
             lr = lr_at(step, cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            bad = torch.zeros((), dtype=torch.bool, device=device)
+            bad, metrics = torch.zeros((), dtype=torch.bool, device=device), {}
             for micro in range(grad_accum):
                 batch = {"input_ids": train_loader.next_batch()}
                 gen = torch.Generator(device).manual_seed(step_seed(cfg.seed, step, micro * world + rank))
@@ -639,9 +639,11 @@ def train(cfg, ckpt=None):
                 sync = trainer.no_sync() if ddp and micro < grad_accum - 1 else nullcontext()
                 with sync:
                     with autocast:
-                        loss, metrics = trainer(batch, gen)
+                        loss, terms = trainer(batch, gen)
                     scaler.scale(loss / grad_accum).backward()
                 bad |= ~torch.isfinite(loss.detach())
+                for k, v in {"loss": loss.detach(), **terms}.items():  # logged: this rank's mean over the micro-steps
+                    metrics[k] = metrics.get(k, 0) + v / grad_accum
             if cfg.grad_clip > 0:
                 scaler.unscale_(optimizer)
                 norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
@@ -653,7 +655,6 @@ def train(cfg, ckpt=None):
             step += 1
             first_bad.masked_fill_(bad & (first_bad == NOT_YET), step)
             tokens_since_log += cfg.tokens_per_step
-            metrics = {"loss": loss.detach(), **metrics}
 
             if step % cfg.log_interval == 0 or step == cfg.max_steps:
                 record = {"step": step, **{k: float(v) for k, v in metrics.items()}, "lr": lr}
