@@ -154,9 +154,11 @@ def read_json(path):
 
 
 def run_finished(run_dir, steps):
-    """A pretraining run is done when its log holds the evaluation at its last step and ckpt.pt exists."""
-    _, _, evals = read_log(os.path.join(run_dir, "log.jsonl"))
-    return os.path.isfile(os.path.join(run_dir, "ckpt.pt")) and any(e["step"] >= steps for e in evals)
+    """A pretraining run is done when its export (what GLUE, the analyses and --init_from read) holds its
+    last step and ckpt.pt exists. Not the log: train.py logs the last evaluation before it saves, and a
+    kill in between leaves the weights of the checkpoint before (config.json is written after the weights)."""
+    exported = (read_json(os.path.join(run_dir, "config.json")) or {}).get("training_step")
+    return os.path.isfile(os.path.join(run_dir, "ckpt.pt")) and type(exported) is int and exported >= steps
 
 
 def glue_done(path, tasks, seeds):
@@ -182,7 +184,8 @@ def run_cmd(cmd, log_path, dry_run, env=None):
     with open(log_path, "a") as log:
         proc = subprocess.Popen(cmd, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env={**(env or {}), **os.environ, "PYTHONUNBUFFERED": "1"},
-                                start_new_session=True)  # a terminal's Ctrl-C reaches it once, through us
+                                start_new_session=True,  # a terminal's Ctrl-C reaches it once, through us
+                                preexec_fn=die_with_parent if sys.platform == "linux" else None)
 
         def forward(signum, frame):
             stop.append(signum)
@@ -204,6 +207,13 @@ def run_cmd(cmd, log_path, dry_run, env=None):
     if code:
         sys.exit(f"error: `{' '.join(cmd)}` failed with exit code {code} (output in {log_path})")
     return time.time() - t0
+
+
+def die_with_parent():
+    """In the child, Linux only: SIGTERM it (it saves its step and exits) if this process dies, even by SIGKILL,
+    which nothing can pass on; otherwise it trains on, holding its out_dir's lock and the GPU."""
+    import ctypes
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
 def hub_reachable(host="huggingface.co", timeout=3.0):

@@ -169,6 +169,43 @@ def test_a_finished_run_without_its_checkpoint_is_kept(tmp_path):
     assert "finished its 20 steps but its ckpt.pt is gone" in line and (out / "mlm" / "glue.json").exists()
 
 
+def test_a_run_is_finished_when_its_export_holds_the_last_step(tmp_path):
+    # train.py logs the last evaluation, then saves: a kill in between leaves ckpt.pt and the export at the
+    # checkpoint before, and the run must be resumed, not taken as done
+    run = tmp_path / "mlm"
+    run.mkdir()
+    (run / "log.jsonl").write_text(json.dumps({"step": 20, "val_mlm_loss": 6.0}) + "\n")
+    (run / "ckpt.pt").write_bytes(b"step 10")
+    for exported, done in ((10, False), (None, False), ("20", False), (20, True)):
+        (run / "config.json").write_text(json.dumps({"training_step": exported}))
+        assert reproduce.run_finished(str(run), 20) is done, exported
+    (run / "ckpt.pt").unlink()
+    assert not reproduce.run_finished(str(run), 20)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_killed_reproduce_takes_its_child_along(tmp_path):
+    # SIGKILL cannot be passed on: the child gets SIGTERM from the kernel instead (train.py saves and exits),
+    # rather than training on, orphaned, holding its out_dir's lock
+    child = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: (open(sys.argv[1], 'w').close(), "
+             "sys.exit(0))); open(sys.argv[2], 'w').close(); time.sleep(120)")
+    parent = (f"import sys, reproduce; reproduce.run_cmd([sys.executable, '-c', {child!r}, sys.argv[1], sys.argv[2]], "
+              f"sys.argv[3], False)")
+    termed, started = tmp_path / "termed", tmp_path / "started"
+    proc = subprocess.Popen([sys.executable, "-c", parent, str(termed), str(started), str(tmp_path / "log")], cwd=HERE)
+    try:
+        t0 = time.time()
+        while not started.exists():
+            assert proc.poll() is None and time.time() - t0 < 60
+            time.sleep(0.1)
+        proc.kill()
+        while not termed.exists():
+            assert time.time() - t0 < 60, "the child did not get SIGTERM"
+            time.sleep(0.1)
+    finally:
+        proc.kill()
+
+
 def test_sigterm_reaches_the_training_run_and_a_rerun_goes_on(tmp_path):
     write_corpus(tmp_path / "corpus.txt", random.Random(0))
     out = tmp_path / "repro"
