@@ -779,7 +779,7 @@ def plot_word_similarity(results, raws, path):
     series = {label: [r["wordsim353"]["cooc_cos"], r["wordsim353"]["mean_cos"], r["wordsim353"]["spearman"],
                       r["simlex999"]["spearman"]] for label, r in results["models"].items()}
     _grouped_bars(top, [f"WordSim353, {COOC_PAIRS} related pairs\nmean cosine (TACO A.3)",
-                        "WordSim353, all pairs\nmean cosine", "WordSim353\nSpearman vs human",
+                        "WordSim353, every covered\npair: mean cosine", "WordSim353\nSpearman vs human",
                         "SimLex-999\nSpearman vs human"], series, colors)
     top.set_title("Input word embeddings (single-token words only)", fontsize=10)
     top.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))

@@ -99,6 +99,8 @@ def spearman(x, y):
 
 
 def score(metric, labels, preds):
+    if not np.isfinite(np.asarray(preds, np.float64)).all():  # a diverged run: scored as a constant prediction
+        preds = np.zeros(len(preds))
     if metric == "mcc":
         out = {"mcc": matthews_corr(labels, preds)}
     elif metric == "acc":
@@ -388,7 +390,7 @@ BASE_GRID = {
 }
 NUM_COMBOS = 6
 # --recipe uniform: one recipe for every task, from TACO's official scripts (FUZHIYI/TACO
-# finetune_small.sh, finetune_base.sh), bf16 on GPU.
+# finetune_small.sh, finetune_base.sh), fp32 as they run (no --fp16 flag).
 UNIFORM = {"small": dict(lr=5e-5, batch_size=32, epochs=4, warmup=100),
            "base": dict(lr=3e-5, batch_size=32, epochs=6, warmup=100)}
 HPARAMS = ("lr", "batch_size", "epochs", "warmup", "max_len", "dropout", "weight_decay", "precision")  # flags
@@ -407,7 +409,7 @@ def recipe_runs(task, recipe, size, overrides=None, num_combos=NUM_COMBOS, grid_
     paper + small: Table 7's one recipe; paper + base: num_combos draws from Table 8's grid, seeded
     by (grid_seed, task name); uniform: UNIFORM[size]. Flags given (overrides) win in every run."""
     if recipe == "uniform":
-        runs, shared = [dict(UNIFORM[size])], dict(SHARED, precision="bf16")
+        runs, shared = [dict(UNIFORM[size])], SHARED
     elif size == "small":
         runs, shared = [dict(SMALL[task.name])], SHARED
     else:
@@ -492,7 +494,7 @@ def predict(model, enc, pad_id, device, batch_size=128, bf16=False):
 def finetune(base, task, data, hp, seed, device, pad_id, warmup, group_by_length=False, log=print):
     """Fine-tune a copy of `base` on data["train"] (Encoded) for hp's epochs with `warmup` linear warm-up
     steps, then linear decay to 0 (Table 6). Returns the model and the dev scores after each epoch
-    (with "collapsed": the dev predictions were one constant, so correlations are undefined)."""
+    (with "collapsed": the dev predictions were one constant or not finite, so correlations are undefined)."""
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     model = GlueModel(copy.deepcopy(base), task.num_labels, hp["dropout"]).to(device)
@@ -524,13 +526,13 @@ def finetune(base, task, data, hp, seed, device, pad_id, warmup, group_by_length
         scores, collapsed = {}, False
         for suffix, dev in data["dev"].items():
             preds = predict(model, dev, pad_id, device, bf16=bf16)
-            collapsed |= bool(len(preds) > 1 and np.ptp(preds) == 0)
+            collapsed |= bool(not np.isfinite(preds).all() or len(preds) > 1 and np.ptp(preds) == 0)
             got = score(task.metric, dev.labels, preds)
             scores.update({f"{k}_{suffix}" if suffix else k: v for k, v in got.items()})
         history.append(dict(epoch=epoch + 1, train_loss=torch.stack(losses).mean().item(), scores=scores,
                             collapsed=collapsed))
         log(f"epoch {epoch + 1}/{hp['epochs']}: train loss {history[-1]['train_loss']:.4f}, "
-            + ", ".join(f"{k} {v:.2f}" for k, v in scores.items()) + (" (constant prediction)" if collapsed else ""))
+            + ", ".join(f"{k} {v:.2f}" for k, v in scores.items()) + (" (constant or non-finite prediction)" if collapsed else ""))
     return model, history
 
 
@@ -621,7 +623,8 @@ def glue_table(report, compare=False):
                      "mean of 6 combinations drawn from Table 8's grid.")
     if marks:
         lines.append("† collapsed: a run predicted one constant value for all of dev (one class, or one score: "
-                     "Pearson/Spearman undefined, counted as 0). The count per task is below.")
+                     "Pearson/Spearman undefined, counted as 0; accuracy/F1/MCC as scored), or a non-finite one "
+                     "(scored as a constant). The count per task is below.")
     if flag:
         lines.append(f"{flag[2:]}: a quick run, not comparable with the papers' numbers.")
     for name, r in tasks.items():
@@ -722,6 +725,8 @@ def glue_task(task, raw, args, base, tok, size, overrides, seeds, device, out, m
     hps = recipe_runs(task, args.recipe, size, overrides, args.num_combos, args.grid_seed)
     if args.max_len is None:  # a model pretrained on short blocks gets its own limit
         hps = [dict(hp, max_len=min(hp["max_len"], cfg.max_position_embeddings)) for hp in hps]
+    if device.type != "cuda":  # bf16 autocast is CUDA-only here: glue.json records what ran
+        hps = [dict(hp, precision="fp32") for hp in hps]
     enc = lambda ds: encode_task(tok, ds, hps[0]["max_len"], cfg.cls_token_id, cfg.sep_token_id, task.labels is None)
     data = {"train": enc(raw["train"]), "dev": {s: enc(ds) for s, ds in raw["dev"].items()}}
     tests = {stem: (ds["index"], enc(ds)) for stem, ds in raw.get("test", {}).items() if not isinstance(ds, str)}
@@ -865,7 +870,7 @@ def build_parser():
     p.add_argument("--out", help="output directory (default: the (first) model's directory)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when there is one)")
     p.add_argument("--max_len", type=int, help="tokens per example, pairs truncated longest-first "
-                   "(GLUE: 128, Table 6; --analysis: 128 word pieces per sentence)")
+                   "(GLUE: 128, Table 6; --analysis: 128 tokens per sentence, [CLS] and [SEP] included)")
     g = p.add_argument_group("GLUE fine-tuning (the default mode)")
     g.add_argument("--tasks", default="all", help=f"comma-separated, from: {','.join(TASKS)} (default all)")
     g.add_argument("--glue_dir", help="folder of the original GLUE TSVs (CoLA/, SST-2/, ... as download_glue_data.py "
@@ -877,7 +882,7 @@ def build_parser():
     g.add_argument("--recipe", default="paper", choices=["paper", "uniform"],
                    help="paper: TACO App. A (Table 7 per task for small models, Table 8's 6 sampled combinations "
                    "for base); uniform: one recipe for every task (TACO's scripts: 5e-5/32/4 epochs small, "
-                   "3e-5/32/6 base, warm-up 100, bf16 on GPU)")
+                   "3e-5/32/6 base, warm-up 100, fp32)")
     g.add_argument("--model_size", default="auto", choices=["auto", "small", "base"],
                    help="which recipe applies (auto: base for hidden size >= 768)")
     g.add_argument("--num_combos", type=int, default=NUM_COMBOS, help="base models: combinations drawn per task "

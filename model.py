@@ -55,6 +55,8 @@ class BertConfig:
                 ok, allowed = type(v) in (int, float) and 0 <= v < top, f"a number in [0, {top})"
             if not ok:
                 raise ValueError(f"model config: {f.name} = {v!r}, expected {allowed}")
+            if f.type is float:
+                setattr(self, f.name, float(v))  # config.json's "dropout": 0 is a float from here on
         if self.hidden_size % self.num_heads:
             raise ValueError(f"model config: hidden_size {self.hidden_size} is not a multiple of num_heads {self.num_heads}")
         for name in [f.name for f in fields(self) if f.name.endswith("_token_id")]:

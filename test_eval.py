@@ -1,6 +1,7 @@
 """eval.py: GLUE metrics against naive references, the TSV readers on the real GLUE files, batching,
 and end-to-end fine-tuning of a tiny model on tiny TSVs (CPU, seconds)."""
 import json
+from dataclasses import asdict
 import math
 import os
 from pathlib import Path
@@ -75,6 +76,10 @@ def test_metric_edge_cases():
     assert ev.pearson([1.0, 2.0, 3.0], [2.0, 2.0, 2.0]) == 0.0  # constant prediction
     assert ev.score("corr", [1.0, 2.0, 3.0], [1.0, 2.0, 4.0])["spearman"] == pytest.approx(100.0)
     assert ev.score("f1_acc", [1, 0], [1, 1]) == pytest.approx({"f1": 100 * 2 / 3, "acc": 50.0})
+    # a diverged regression (NaN predictions) correlates with nothing: ranking NaNs made up a Spearman
+    nan = float("nan")
+    for preds in ([nan] * 4, [0.5, nan, 3.0, nan]):
+        assert ev.score("corr", [0.5, 3.2, 1.0, 4.8], preds) == {"pearson": 0.0, "spearman": 0.0}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -182,6 +187,9 @@ def test_glue_model_pooler_and_dropout():
     assert fresh.bert.pooler is not None and fresh.classifier.out_features == 1
     # a checkpoint pretrained without dropout still fine-tunes with it, attention probabilities included
     assert model.bert.encoder.layers[0].attn.dropout == 0.1 and model.bert.embeddings.drop.p == 0.1
+    # and so does one whose config.json says 0, an integer
+    from_int = ev.GlueModel(Bert(BertConfig(**{**asdict(cfg), "dropout": 0})), 1, dropout=0.1)
+    assert from_int.bert.encoder.layers[0].attn.dropout == 0.1
     x = torch.randint(5, 50, (2, 7))
     logits = model(x, torch.ones_like(x, dtype=torch.bool), torch.zeros_like(x))
     assert logits.shape == (2, 3)
@@ -343,7 +351,7 @@ def test_recipes_match_the_paper(name):
     assert ev.recipe_runs(task, "paper", "base", grid_seed=1) != combos
     assert ev.recipe_runs(task, "paper", "base", {"lr": 1e-4})[3]["lr"] == 1e-4  # a flag wins in every run
     (uniform,) = ev.recipe_runs(task, "uniform", "base")
-    assert (uniform["lr"], uniform["batch_size"], uniform["epochs"]) == (3e-5, 32, 6)
+    assert (uniform["lr"], uniform["batch_size"], uniform["epochs"], uniform["precision"]) == (3e-5, 32, 6, "fp32")
 
 
 def test_base_draws_differ_between_tasks_and_cover_the_grid():
