@@ -185,25 +185,36 @@ def test_a_run_is_finished_when_its_export_holds_the_last_step(tmp_path):
 
 @pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux's")
 def test_a_killed_reproduce_takes_its_child_along(tmp_path):
-    # SIGKILL cannot be passed on: the child gets SIGTERM from the kernel instead (train.py saves and exits),
-    # rather than training on, orphaned, holding its out_dir's lock
-    child = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: (open(sys.argv[1], 'w').close(), "
-             "sys.exit(0))); open(sys.argv[2], 'w').close(); time.sleep(120)")
-    parent = (f"import sys, reproduce; reproduce.run_cmd([sys.executable, '-c', {child!r}, sys.argv[1], sys.argv[2]], "
-              f"sys.argv[3], False)")
-    termed, started = tmp_path / "termed", tmp_path / "started"
-    proc = subprocess.Popen([sys.executable, "-c", parent, str(termed), str(started), str(tmp_path / "log")], cwd=HERE)
+    # SIGKILL cannot be passed on: the kernel sends train.py SIGTERM instead, and it saves its step and exits
+    # rather than training on, orphaned, holding its out_dir's lock. It logs every step into the dead parent's
+    # pipe: a print must not kill it before the save
+    write_corpus(tmp_path / "corpus.txt", random.Random(0))
+    out = tmp_path / "run"
+    train = [sys.executable, "train.py", "--data", str(tmp_path / "corpus.txt"), "--cache_dir", str(tmp_path / "cache"),
+             "--out_dir", str(out), "--vocab_size", "200", "--seq_len", "32", "--batch_size", "8",
+             "--tokens_per_step", "256", "--max_steps", "100000", "--log_interval", "1", "--eval_interval", "100000",
+             "--ckpt_interval", "100000"]
+    parent = f"import sys, reproduce; reproduce.run_cmd({train!r}, sys.argv[1], False)"
+    proc = subprocess.Popen([sys.executable, "-c", parent, str(tmp_path / "train.out")], cwd=HERE,
+                            stdout=subprocess.DEVNULL)
     try:
         t0 = time.time()
-        while not started.exists():
-            assert proc.poll() is None and time.time() - t0 < 60
+        while not ((out / "log.jsonl").exists() and '"step": 3,' in (out / "log.jsonl").read_text()):
+            assert proc.poll() is None and time.time() - t0 < 120
             time.sleep(0.1)
         proc.kill()
-        while not termed.exists():
-            assert time.time() - t0 < 60, "the child did not get SIGTERM"
-            time.sleep(0.1)
+        while not (out / "ckpt.pt").exists():
+            assert time.time() - t0 < 180, "the orphaned train.py did not save"
+            time.sleep(0.2)
+        lock = reproduce.try_lock(str(out / ".lock"))
+        while lock is None:  # released once train.py has exited
+            assert time.time() - t0 < 180, "the orphaned train.py did not exit"
+            time.sleep(0.2)
+            lock = reproduce.try_lock(str(out / ".lock"))
+        lock.close()
     finally:
         proc.kill()
+    assert torch.load(out / "ckpt.pt", weights_only=True)["step"] >= 3
 
 
 def test_sigterm_reaches_the_training_run_and_a_rerun_goes_on(tmp_path):

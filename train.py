@@ -297,6 +297,30 @@ def gpu_peak_flops(device):
     return None
 
 
+class Console:
+    """stdout / stderr that outlive their reader (a killed reproduce.py, a closed `| tee`): after a broken
+    pipe the output goes to os.devnull, so a print cannot stop the run before a SIGTERM's save."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text):
+        try:
+            return self.stream.write(text)
+        except BrokenPipeError:
+            self.stream = open(os.devnull, "w")
+            return len(text)
+
+    def flush(self):
+        try:
+            self.stream.flush()
+        except BrokenPipeError:
+            self.stream = open(os.devnull, "w")
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
 @torch.no_grad()
 def evaluate(model, objective, val_loader, cfg, device, autocast):
     """The objective's metrics on a fixed set of held-out blocks with fixed random draws:
@@ -709,4 +733,5 @@ def train(cfg, ckpt=None):
 
 
 if __name__ == "__main__":
+    sys.stdout, sys.stderr = Console(sys.stdout), Console(sys.stderr)
     main()
