@@ -245,11 +245,11 @@ def summarise(name, size, args, device, built, timing):
     step_ms, cpu_ms, peak_gb = timing
     tokens_per_s = args.batch_size * args.seq_len / (step_ms / 1e3)
     flops = objective_flops_per_token(cfg.objective, config, cfg, args.seq_len)
-    peak_flops = gpu_peak_flops(device) if device.type == "cuda" else None
+    peak_flops = gpu_peak_flops(device) if device.type == "cuda" and flops else None
     return dict(model_size=size, objective=name, params_m=sum(p.numel() for p in params) / 1e6, batch=args.batch_size,
                 seq=args.seq_len, compile=args.compile, dropout=args.dropout, gen_shape=args.gen_shape,
                 dtype="bf16 autocast" if device.type == "cuda" else "fp32", step_ms=step_ms, cpu_ms=cpu_ms,
-                tokens_per_s=tokens_per_s, model_tflops=tokens_per_s * flops / 1e12,
+                tokens_per_s=tokens_per_s, model_tflops=tokens_per_s * flops / 1e12 if flops else None,
                 mfu=tokens_per_s * flops / peak_flops if peak_flops else None, peak_mem_gb=peak_gb,
                 interleaved=args.interleave, run_s=time.perf_counter() - t0)  # run_s: build + compile + steps
 

@@ -210,6 +210,26 @@ def test_objective_trains_and_loss_falls(corpus, tmp_path, objective):
             assert torch.equal(v, trained[k]), k
 
 
+def test_an_objective_added_to_losses_trains(corpus, tmp_path, monkeypatch):
+    # adding an objective is a module and a LOSSES entry: train.py and bench.py need nothing more (no MFU for it)
+    import bench
+    import losses
+
+    class Halved(losses.MLM):
+        def forward(self, model, batch, gen):
+            loss, metrics = super().forward(model, batch, gen)
+            return loss / 2, metrics
+    monkeypatch.setitem(losses.LOSSES, "half_mlm", Halved)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", torch.backends.cuda.matmul.allow_tf32)  # main sets it
+    train.main(common(corpus, tmp_path, objective="half_mlm", max_steps=2, warmup_steps=1, log_interval=1,
+                      eval_interval=2, eval_batches=1, ckpt_interval=2, device="cpu"))
+    header, records = read_log(tmp_path / "run")
+    assert header["config"]["objective"] == "half_mlm" and records[-1]["step"] == 2
+    assert (tmp_path / "run" / "ckpt.pt").exists() and (tmp_path / "run" / "config.json").exists()
+    tiny = config.BertConfig(**config.MODEL_PRESETS["tiny"])
+    assert bench.objective_flops_per_token("half_mlm", tiny, config.TrainConfig(), 64) is None
+
+
 def test_tacl_needs_init_from_then_continues_an_mlm_run(corpus, tmp_path):
     r = run(common(corpus, tmp_path, objective="tacl", out="tacl"))
     assert r.returncode != 0 and "--objective mlm" in r.stderr and len(r.stderr.strip().splitlines()) == 1
