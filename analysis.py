@@ -60,7 +60,7 @@ ANALYSIS_DEFAULTS = dict(model=None, out=None, text=None, num_sentences=1000, ma
 # Statistics on token representations
 
 
-def sample_context_partners(context_id, gen):
+def sample_context_partners(context_id, rng):
     """For every token, one other token of its own context (intra) and one token of any
     other context (inter), each uniform. context_id (N,) long; returns two (N,) index
     tensors, -1 where no partner exists (a one-token context, or a single context)."""
@@ -73,7 +73,7 @@ def sample_context_partners(context_id, gen):
     counts, starts = torch.bincount(group), torch.arange(N, device=device)[first]
     n, start = counts[group], starts[group]
     offset = torch.arange(N, device=device) - start  # rank of each token inside its context
-    u = torch.rand(2, N, generator=gen, device=gen.device).to(device)
+    u = torch.rand(2, N, generator=rng, device=rng.device).to(device)
     # intra: draw r among the n-1 others, then skip over the token itself
     r = torch.minimum((u[0] * (n - 1)).long(), (n - 2).clamp(min=0))
     intra = torch.where(n >= 2, start + r + (r >= offset).long(), -1)
@@ -107,7 +107,7 @@ TABLE9_NAMES = {"l1": "L1 distance", "l2": "L2 distance", "l10": "L10 distance",
                 "cos": "cosine similarity", "dot": "dot-product similarity"}
 
 
-def context_similarity(hidden, context_id, gen, ratios=True):
+def context_similarity(hidden, context_id, rng, ratios=True):
     """TACO's contextual score on token states hidden (N, D) grouped by context_id (N,), and
     unless ratios=False Table 9's intra/inter ratios (App. A.3): for each measurement, the
     mean over tokens of measure(token, intra partner) divided by the mean of
@@ -115,7 +115,7 @@ def context_similarity(hidden, context_id, gen, ratios=True):
     the ratio" (a mean of per-token ratios would explode where an inter cosine is near 0).
     All five use the same partners. A similarity ratio whose inter mean is <= 0 is NaN: its
     sign would flip the reading (> 1 = contextual). Only tokens with both partners count."""
-    intra, inter = sample_context_partners(context_id, gen)
+    intra, inter = sample_context_partners(context_id, rng)
     keep = (intra >= 0) & (inter >= 0)
     names = ["intra", "inter", "contextual"] + ([f"{m}_{s}" for m in TABLE9_MEASURES
                                                   for s in ("intra", "inter", "ratio")] if ratios else [])
@@ -134,12 +134,12 @@ def context_similarity(hidden, context_id, gen, ratios=True):
     return stats
 
 
-def random_pair_cosine(hidden, gen):
+def random_pair_cosine(hidden, rng):
     """Isotropy: mean cosine between each token and one uniformly drawn other token (N, D)."""
     N = hidden.size(0)
     if N < 2:
         return float("nan")
-    r = torch.minimum((torch.rand(N, generator=gen, device=gen.device).to(hidden.device) * (N - 1)).long(),
+    r = torch.minimum((torch.rand(N, generator=rng, device=rng.device).to(hidden.device) * (N - 1)).long(),
                       torch.tensor(N - 2, device=hidden.device))
     partner = r + (r >= torch.arange(N, device=hidden.device)).long()  # skip the token itself
     return F.cosine_similarity(hidden.float(), hidden[partner].float(), dim=-1).mean().item()
@@ -177,7 +177,7 @@ def spearman(x, y):
 
 
 @torch.no_grad()
-def contextual_score(model, input_ids, gen, special_ids):
+def contextual_score(model, input_ids, rng, special_ids):
     """TACO's contextual score on a batch of packed [CLS] ... [SEP] blocks (B, T): each
     block is one context, every non-special position one token, no masking (App. A.3).
     special_ids: data.special_token_ids(tok) dict, or any iterable of ids.
@@ -191,7 +191,7 @@ def contextual_score(model, input_ids, gen, special_ids):
         model.train(was_training)
     real = ~torch.isin(input_ids, torch.tensor(ids, device=input_ids.device))
     block = torch.arange(input_ids.size(0), device=input_ids.device)[:, None].expand_as(input_ids)
-    stats = context_similarity(hidden[real], block[real], gen, ratios=False)
+    stats = context_similarity(hidden[real], block[real], rng, ratios=False)
     return {k: stats[k] for k in ("intra", "inter", "contextual")}
 
 
@@ -472,10 +472,10 @@ def analyze_model(model, tok, sentences, max_len, device, seed, stsb_rows, heatm
     """All numbers for one model (a JSON-ready dict) and the raw values the plots need.
     stsb_rows: read_stsb()'s rows, or None to leave out COCO-LM's similar pairs."""
     enc = encode(model, tokenize(tok, sentences, max_len), tok.token_to_id("[PAD]"), device)
-    gen = torch.Generator().manual_seed(seed)
+    rng = torch.Generator().manual_seed(seed)
     result = {"num_sentences": len(sentences), "num_tokens": int(enc["tokens"].size(0))}
-    result["contextual"] = context_similarity(enc["tokens"], enc["sentence"], gen)
-    result["isotropy_random_pair_cos"] = random_pair_cosine(enc["tokens"], gen)
+    result["contextual"] = context_similarity(enc["tokens"], enc["sentence"], rng)
+    result["isotropy_random_pair_cos"] = random_pair_cosine(enc["tokens"], rng)
     result["self_similarity_per_layer"] = enc["self_similarity"]
     raw = {}
     # token x token cosine of one sentence (TaCL), non-special tokens only

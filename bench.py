@@ -54,24 +54,24 @@ from config import Parser, TrainConfig, dir_problem
 from train import Pretrainer, configure_optimizer, gpu_peak_flops, objective_flops_per_token
 
 
-def random_blocks(batch_size, seq_len, config, device, gen=None):
+def random_blocks(batch_size, seq_len, config, device, rng=None):
     # packed [CLS] ... [SEP] blocks of ordinary tokens, like data.BlockLoader's
     ids = torch.randint(config.mask_token_id + 1, config.vocab_size, (batch_size, seq_len), device=device,
-                        generator=gen)
+                        generator=rng)
     ids[:, 0], ids[:, -1] = config.cls_token_id, config.sep_token_id
     return ids
 
 
-def hf_mlm_batch(input_ids, config, gen, mask_prob=0.15):
+def hf_mlm_batch(input_ids, config, rng, mask_prob=0.15):
     """Hugging Face's DataCollatorForLanguageModeling masking: each non-special token is selected
     with probability mask_prob (Bernoulli, so the count varies by row); of the selected, 80% become
     [MASK], 10% a random id from the whole vocabulary, 10% stay. labels: -100 where not selected."""
     probs = eligible_positions(input_ids, config).float() * mask_prob  # special tokens are never selected
-    selected = torch.bernoulli(probs, generator=gen).bool()
+    selected = torch.bernoulli(probs, generator=rng).bool()
     labels = input_ids.masked_fill(~selected, -100)
-    draw = torch.rand(input_ids.shape, generator=gen, device=input_ids.device)
+    draw = torch.rand(input_ids.shape, generator=rng, device=input_ids.device)
     inputs = input_ids.masked_fill(selected & (draw < 0.8), config.mask_token_id)
-    random_ids = torch.randint(config.vocab_size, input_ids.shape, generator=gen, device=input_ids.device)
+    random_ids = torch.randint(config.vocab_size, input_ids.shape, generator=rng, device=input_ids.device)
     inputs = torch.where(selected & (draw >= 0.8) & (draw < 0.9), random_ids, inputs)
     return dict(input_ids=inputs, labels=labels)
 
@@ -86,8 +86,8 @@ def build_ours(cfg, config, args, device, autocast):
     else:  # 2: the whole step (graph breaks at each seeded random draw), or 0: eager
         trainer = Pretrainer(model, loss_fn)
         trainer = torch.compile(trainer, dynamic=False) if args.compile == 2 else trainer
-    gen = torch.Generator(device).manual_seed(0)
-    batches = [{"input_ids": random_blocks(args.batch_size, args.seq_len, config, device, gen)} for _ in range(4)]
+    rng = torch.Generator(device).manual_seed(0)
+    batches = [{"input_ids": random_blocks(args.batch_size, args.seq_len, config, device, rng)} for _ in range(4)]
     if args.loader:
         import numpy as np
         import data
@@ -99,7 +99,7 @@ def build_ours(cfg, config, args, device, autocast):
     def loss_at(i):
         batch = {"input_ids": loader.next_batch()} if args.loader else batches[i % len(batches)]
         with autocast:
-            return trainer(batch, gen)[0]
+            return trainer(batch, rng)[0]
     return training_step(loss_at, params, cfg, device), params
 
 
@@ -110,8 +110,8 @@ def build_hf(config, args, device, autocast):
     model = transformers.BertForMaskedLM(hf_config).to(device)
     params = list(model.parameters())  # the tied decoder weight appears once
     compiled = torch.compile(model, dynamic=False) if args.compile else model
-    gen = torch.Generator(device).manual_seed(0)
-    batches = [hf_mlm_batch(random_blocks(args.batch_size, args.seq_len, config, device, gen), config, gen)
+    rng = torch.Generator(device).manual_seed(0)
+    batches = [hf_mlm_batch(random_blocks(args.batch_size, args.seq_len, config, device, rng), config, rng)
                for _ in range(4)]
 
     def loss_at(i):

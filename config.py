@@ -125,16 +125,16 @@ def field_help():
 
 
 def parse_value(name, typ, text):
-    if typ is bool or typ == "bool":
+    if typ is bool:
         if text.lower() in ("1", "true", "yes", "on"):
             return True
         if text.lower() in ("0", "false", "no", "off"):
             return False
         raise ValueError(f"--{name} expects true or false, got {text!r}")
     try:
-        return {"int": int, "float": float, "str": str}.get(typ, typ)(text)
+        return typ(text)
     except ValueError:
-        raise ValueError(f"--{name} expects {getattr(typ, '__name__', typ)}, got {text!r}") from None
+        raise ValueError(f"--{name} expects {typ.__name__}, got {text!r}") from None
 
 
 def print_help(spec, argv, usage):
@@ -171,7 +171,7 @@ def parse_args(argv, usage=None):
         if name not in spec:
             raise ValueError(f"unknown flag --{name} (see --help)")
         if not _:
-            is_bool = spec[name][0] in (bool, "bool")
+            is_bool = spec[name][0] is bool
             if i + 1 < len(argv) and not (is_bool and argv[i + 1].startswith("--")):
                 value, i = argv[i + 1], i + 1
             elif is_bool:

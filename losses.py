@@ -1,7 +1,7 @@
 """
 Pretraining objectives, one nn.Module each, built as LOSSES[name](model, cfg) (cfg: config.TrainConfig,
 where each hyperparameter's default and source are) and called as
-`loss, metrics = objective(model, batch, gen)`: MLM (Devlin et al., 2019), TACO (Fu et al., ACL 2022),
+`loss, metrics = objective(model, batch, rng)`: MLM (Devlin et al., 2019), TACO (Fu et al., ACL 2022),
 TaCL (Su et al., Findings of NAACL 2022), COCO-LM (Meng et al., NeurIPS 2021) and ELECTRA (Clark et
 al., ICLR 2020). Each docstring names its equations; every deviation from an official implementation
 has a comment line here and an entry in the README's "Fidelity notes".
@@ -10,11 +10,13 @@ has a comment line here and an entry in the README's "Fidelity notes".
   model(...) and model.mlm_logits(...) but never stores it, so the encoder's weights stay out
   of objective.state_dict(). What an objective owns (generator, heads, TaCL's teacher) is a
   submodule, in objective.parameters() and objective.state_dict().
-- Every random draw uses the torch.Generator `gen`: seeding it makes a step reproducible,
+- Every random draw uses the torch.Generator `rng`: seeding it makes a step reproducible,
   and a test can replay the draws by calling the same sampling helpers with the same seed.
 - Fixed shapes and no host syncs: masking selects exactly round(p * eligible) positions per
   row into K = ceil(p * T) slots (unused slots have label -100), so a compiled model never
   sees a new shape and metrics stay on the device until train.py logs them.
+- train.py's packed blocks carry no attention_mask: the padding paths serve padded inputs (the tests,
+  your own data).
 """
 import copy
 import functools
@@ -48,21 +50,21 @@ def eligible_positions(input_ids, config, attention_mask=None):
     return eligible
 
 
-def uniform_int(n, gen):
+def uniform_int(n, rng):
     """A uniform integer in [0, n) for each element of the integer tensor n (n >= 1)."""
-    draw = (torch.rand(n.shape, generator=gen, device=n.device) * n).long()
+    draw = (torch.rand(n.shape, generator=rng, device=n.device) * n).long()
     return torch.minimum(draw, (n - 1).clamp(min=0))  # float rounding can land on n itself
 
 
-def random_real_tokens(shape, config, gen, device):
+def random_real_tokens(shape, config, rng, device):
     """Uniform over the real vocabulary minus the special ids (bert-base-uncased: 0, 100-103)."""
-    tokens = torch.randint(config.vocab_size - len(special_ids(config)), shape, generator=gen, device=device)
+    tokens = torch.randint(config.vocab_size - len(special_ids(config)), shape, generator=rng, device=device)
     for s in special_ids(config):  # ascending: turn the rank among non-special ids into the id itself
         tokens = tokens + (tokens >= s).long()
     return tokens
 
 
-def mask_tokens(input_ids, config, gen, mask_prob=0.15, mask_frac=0.8, random_frac=0.1, attention_mask=None):
+def mask_tokens(input_ids, config, rng, mask_prob=0.15, mask_frac=0.8, random_frac=0.1, attention_mask=None):
     """BERT's dynamic masking with fixed shapes and no host sync.
 
     Eligible = not a special token ([CLS], [SEP], [PAD], [MASK], [UNK]) and not padding. Each
@@ -80,13 +82,13 @@ def mask_tokens(input_ids, config, gen, mask_prob=0.15, mask_frac=0.8, random_fr
     num_slots = math.ceil(mask_prob * T)
     # choose positions: top-k of uniform scores, ineligible ones pushed below every eligible one
     # (HF's collator, used by TACO, draws Bernoulli(p) per token instead: same mean, varying count)
-    scores = torch.rand(B, T, generator=gen, device=device).masked_fill(~eligible, -1.0)
+    scores = torch.rand(B, T, generator=rng, device=device).masked_fill(~eligible, -1.0)
     positions = scores.topk(num_slots, dim=1).indices  # (B, K), distinct within a row
     used = torch.arange(num_slots, device=device) < num_masked[:, None]  # (B, K)
     original = input_ids.gather(1, positions)
     # one uniform per slot splits the selected into [MASK] / random / unchanged
-    split = torch.rand(B, num_slots, generator=gen, device=device)
-    random_tokens = random_real_tokens((B, num_slots), config, gen, device)
+    split = torch.rand(B, num_slots, generator=rng, device=device)
+    random_tokens = random_real_tokens((B, num_slots), config, rng, device)
     new = torch.where(split < mask_frac, config.mask_token_id,
                       torch.where(split < mask_frac + random_frac, random_tokens, original))
     corrupted = input_ids.scatter(1, positions, torch.where(used, new, original))
@@ -99,6 +101,7 @@ def gather_positions(h, positions):
 
 
 def masked_mean(values, mask):
+    # where, not a product: a NaN or inf at a masked-out position must not leak into the mean
     values = values if values.is_floating_point() else values.float()
     mask = mask.to(values.dtype)
     return torch.where(mask > 0, values, 0).sum() / mask.sum().clamp(min=1)
@@ -168,6 +171,19 @@ def auc(logits, targets, mask):
     return ((ranks[labels].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)).float()
 
 
+def detector_metrics(name, logit, replaced, input_ids, config, attention_mask, training):
+    """COCO-LM's copy and ELECTRA's discriminator logs, with replaced = positive: accuracy, the trivial BCE
+    of predicting the replaced rate, and (held-out only: a sort of B*T scores) the AUC over the maskable
+    tokens. [CLS]/[SEP] are never replaced: the official disc_auc counts them, which credits a detector
+    for knowing that alone."""
+    valid = non_pad(input_ids, attention_mask)
+    metrics = {f"{name}_acc": masked_mean((logit > 0) == replaced, valid).detach(),
+               f"{name}_trivial": binary_entropy(masked_mean(replaced, valid)).detach()}
+    if not training:
+        metrics[f"{name}_auc"] = auc(logit.detach(), replaced, eligible_positions(input_ids, config, attention_mask))
+    return metrics
+
+
 def pool_size(negative_pool, batch_size):
     """Rows that share one pool of negatives (TACO) or one NT-Xent batch (COCO-LM's SCL): groups of
     negative_pool consecutive rows of the per-process micro-batch; 0 = the whole micro-batch (the official
@@ -193,14 +209,14 @@ class MLM(nn.Module):
         self.mask_prob = cfg.mask_prob
         self.predict_all = cfg.mlm_predict_all
 
-    def forward(self, model, batch, gen):
+    def forward(self, model, batch, rng):
         x, attention_mask = batch["input_ids"], batch.get("attention_mask")
-        corrupted, positions, labels = mask_tokens(x, model.config, gen, self.mask_prob, attention_mask=attention_mask)
+        corrupted, positions, labels = mask_tokens(x, model.config, rng, self.mask_prob, attention_mask=attention_mask)
         h = model(corrupted, attention_mask=attention_mask)
         return mlm_loss(model, h, x, positions, labels, attention_mask, self.predict_all)
 
 
-def taco_samples(valid, window, num_negatives, gen, pool=0):
+def taco_samples(valid, window, num_negatives, rng, pool=0):
     """TACO's positive and negative draws (official sampler.py, batched and padding-aware).
     valid (B, T) bool = non-pad. Returns flat indices into the B*T positions: positive (B, T),
     negatives (B, T, num_negatives). Positive: same row, offset uniform over
@@ -222,22 +238,22 @@ def taco_samples(valid, window, num_negatives, gen, pool=0):
     cols = torch.arange(T, device=device).expand(B, T)
     # positive: a window offset, skipping 0
     half = window // 2
-    draw = torch.randint(2 * half, (B, T), generator=gen, device=device)
+    draw = torch.randint(2 * half, (B, T), generator=rng, device=device)
     pos_col = cols + draw - half + (draw >= half).long()
     inside = (pos_col >= 0) & (pos_col < T)
     pos_col = pos_col.clamp(0, T - 1)
     inside = inside & valid.gather(1, pos_col)
     # fallback: a uniform other non-pad position of the same row (skip the anchor's own rank)
     own_rank = cum.view(B, T) - row_start[:, None] - 1
-    rank = uniform_int(count[:, None].expand(B, T) - 1, gen)
+    rank = uniform_int(count[:, None].expand(B, T) - 1, rng)
     fallback = nth_valid(rows, rank + (rank >= own_rank).long())
     positive = torch.where(inside, rows * T + pos_col, fallback)
     # negatives: another row of the anchor's pool (skip the anchor's own), then a non-pad position of it
     pool = pool or B
     pool_row = rows % pool  # the anchor's row within its pool; pool == B draws exactly as the official sampler
-    neg_row = torch.randint(pool - 1, (B, T, num_negatives), generator=gen, device=device)
+    neg_row = torch.randint(pool - 1, (B, T, num_negatives), generator=rng, device=device)
     neg_row = neg_row + (neg_row >= pool_row[..., None]).long() + (rows - pool_row)[..., None]
-    negatives = nth_valid(neg_row, uniform_int(count[neg_row], gen))
+    negatives = nth_valid(neg_row, uniform_int(count[neg_row], rng))
     return positive, negatives
 
 
@@ -321,9 +337,9 @@ class TACO(nn.Module):
         if self.anchors not in ("all", "masked"):
             raise ValueError(f"taco_anchors must be 'all' or 'masked', got {self.anchors!r}")
 
-    def forward(self, model, batch, gen):
+    def forward(self, model, batch, rng):
         x, attention_mask = batch["input_ids"], batch.get("attention_mask")
-        B, T = x.shape
+        B = x.size(0)
         pool = pool_size(self.negative_pool, B)
         if pool < 2:
             raise ValueError("TACO draws negatives from the other sequences of its pool: it needs batch size and "
@@ -331,7 +347,7 @@ class TACO(nn.Module):
         valid = non_pad(x, attention_mask)
         # MLM on the corrupted input, keeping the embedding layer's output for g: the paper's "static embedding"
         # e is that whole output (word + position + type, LayerNorm, dropout), as in the official code
-        corrupted, positions, labels = mask_tokens(x, model.config, gen, self.mask_prob, attention_mask=attention_mask)
+        corrupted, positions, labels = mask_tokens(x, model.config, rng, self.mask_prob, attention_mask=attention_mask)
         h, emb = model(corrupted, attention_mask=attention_mask, return_embeddings=True)
         loss, metrics = mlm_loss(model, h, x, positions, labels, attention_mask, self.predict_all)
         # Eq. 3, 9, 10: global semantics g = h - e, out of place (the official in-place -= fails in fp32)
@@ -341,7 +357,7 @@ class TACO(nn.Module):
         else:
             anchors = torch.zeros_like(valid).scatter(1, positions, labels != -100)
         # draw one positive and K negatives per position; stop-gradient on both unless taco_stop_grad is off
-        positive, negatives = taco_samples(valid, self.window, self.num_negatives, gen, pool)
+        positive, negatives = taco_samples(valid, self.window, self.num_negatives, rng, pool)
         targets = (g.detach() if self.stop_grad else g).flatten(0, 1)  # (B*T, D), in g's dtype; upcast per chunk
         with torch.autocast(x.device.type, enabled=False):  # fp32: bf16 cosines / tau lose ~2 digits
             g = upcast(g)
@@ -383,12 +399,12 @@ class TaCL(nn.Module):
         self.teacher.eval()  # official code leaves its dropout on; its maintainer calls that a bug (issue #11)
         return self
 
-    def forward(self, model, batch, gen):
+    def forward(self, model, batch, rng):
         x, attention_mask = batch["input_ids"], batch.get("attention_mask")
-        B, T = x.shape
+        B = x.size(0)
         valid = non_pad(x, attention_mask)
         # student: MLM on the masked input
-        corrupted, positions, labels = mask_tokens(x, model.config, gen, self.mask_prob, attention_mask=attention_mask)
+        corrupted, positions, labels = mask_tokens(x, model.config, rng, self.mask_prob, attention_mask=attention_mask)
         h = model(corrupted, attention_mask=attention_mask)
         loss, metrics = mlm_loss(model, h, x, positions, labels, attention_mask, self.predict_all)
         # teacher: the original input, frozen
@@ -409,9 +425,9 @@ class TaCL(nn.Module):
         return loss + tacl_loss, metrics
 
 
-def sample_tokens(logits, gen):
+def sample_tokens(logits, rng):
     """One draw per row from softmax(logits) (temperature 1) by Gumbel-max; integers, so no gradient."""
-    u = torch.rand(logits.shape, generator=gen, device=logits.device)
+    u = torch.rand(logits.shape, generator=rng, device=logits.device)
     return (upcast(logits.detach()) - torch.log(-torch.log(u))).argmax(-1)
 
 
@@ -459,10 +475,10 @@ class Generator(nn.Module):
         h = self.encoder(self.project(model.embeddings(input_ids)), attention_mask)
         return self.head(gather_positions(h, positions), model.embeddings.word.weight)  # (B*K, V)
 
-    def forward(self, model, input_ids, attention_mask, gen, mask_prob, mask_frac, random_frac):
+    def forward(self, model, input_ids, attention_mask, rng, mask_prob, mask_frac, random_frac):
         """Mask x, train the generator by MLM on it, and put its samples at the masked positions.
         Returns (x_mlm: the ids with the samples in, positions, labels, gen_loss, gen_acc)."""
-        corrupted, positions, labels = mask_tokens(input_ids, model.config, gen, mask_prob, mask_frac, random_frac,
+        corrupted, positions, labels = mask_tokens(input_ids, model.config, rng, mask_prob, mask_frac, random_frac,
                                                    attention_mask)
         logits = self.logits(model, corrupted, attention_mask, positions)
         gen_loss = cross_entropy(logits, labels.flatten())
@@ -476,12 +492,12 @@ class Generator(nn.Module):
                 sample_logits = self.logits(model, corrupted, attention_mask, positions)
             self.train()
             model.embeddings.train(embeddings_training)
-        sampled = sample_tokens(sample_logits, gen).view_as(positions)
+        sampled = sample_tokens(sample_logits, rng).view_as(positions)
         x_mlm = input_ids.scatter(1, positions, torch.where(labels != -100, sampled, input_ids.gather(1, positions)))
         return x_mlm, positions, labels, gen_loss, accuracy(logits.detach(), labels.flatten())
 
 
-def crop_views(input_ids, config, gen, fraction=0.9, attention_mask=None):
+def crop_views(input_ids, config, rng, fraction=0.9, attention_mask=None):
     """COCO-LM's second view: a uniformly placed contiguous crop of `fraction` of the tokens
     between each row's [CLS] and final [SEP] (rows are [CLS] ... [SEP] then right padding),
     re-wrapped as [CLS] crop [SEP] and padded (attention mask 0) to T. Returns (ids, mask).
@@ -490,7 +506,7 @@ def crop_views(input_ids, config, gen, fraction=0.9, attention_mask=None):
     B, T = input_ids.shape
     inner = non_pad(input_ids, attention_mask).sum(1) - 2  # (B,) tokens between [CLS] and [SEP]
     keep = (inner.double() * fraction).round().long()
-    start = uniform_int(inner - keep + 1, gen)  # (B,) crop start in [0, inner - keep]
+    start = uniform_int(inner - keep + 1, rng)  # (B,) crop start in [0, inner - keep]
     j = torch.arange(T, device=input_ids.device)[None, :]  # (1, T) output slot
     crop = input_ids.gather(1, (start[:, None] + j).clamp(max=T - 1))  # slot j <- position start + j
     end = keep[:, None] + 1  # slot of the closing [SEP]
@@ -555,12 +571,12 @@ class COCOLM(nn.Module):
         self.scl_head.apply(Bert._init_weights)
         model.head.requires_grad_(False)  # unused here: keep it out of the optimizer and DDP's reducer
 
-    def forward(self, model, batch, gen):
+    def forward(self, model, batch, rng):
         x, attention_mask = batch["input_ids"], batch.get("attention_mask")
         valid = non_pad(x, attention_mask)
         # generator: MLM on x~ (80/10/10), then its samples replace the masked tokens -> x^MLM
-        x_mlm, positions, labels, gen_loss, gen_acc = self.generator(model, x, attention_mask, gen, self.mask_prob,
-                                                                     0.8, 0.1)
+        x_mlm, positions, labels, gen_loss, gen_acc = self.generator(model, x, attention_mask, rng, self.mask_prob,
+                                                                     mask_frac=0.8, random_frac=0.1)
         is_original = x_mlm == x  # a sample equal to the original counts as original
         masked, original_at_m = (labels != -100).flatten(), is_original.gather(1, positions).flatten()
         # main model on x^MLM
@@ -574,7 +590,7 @@ class COCOLM(nn.Module):
         lm_loss = masked_mean(corrective_lm_loss(lm_logits, labels.flatten(), copy_logit.gather(1, positions).flatten(),
                                                  original_at_m), masked)
         # SCL: second view = a cropped x; NT-Xent over the 2B [CLS] vectors
-        crop_ids, crop_mask = crop_views(x, model.config, gen, self.crop_fraction, attention_mask)
+        crop_ids, crop_mask = crop_views(x, model.config, rng, self.crop_fraction, attention_mask)
         h_crop = model(crop_ids, attention_mask=crop_mask)
         B = x.size(0)
         cls = upcast(self.scl_head(torch.cat([h[:, 0], h_crop[:, 0]])))  # (2B, D): one GEMM for both views
@@ -583,13 +599,8 @@ class COCOLM(nn.Module):
         metrics = dict(gen_loss=gen_loss.detach(), copy_loss=copy_loss.detach(), lm_loss=lm_loss.detach(),
                        scl_loss=scl_loss.detach(), gen_acc=gen_acc,
                        replaced_frac=masked_mean(~original_at_m, masked).detach(),
-                       copy_acc=masked_mean((copy_logit > 0) == is_original, valid).detach(),
-                       copy_trivial=binary_entropy(masked_mean(~is_original, valid)).detach())
-        if not self.training:  # held-out only: a sort of B*T scores
-            # replaced = positive, as ELECTRA; over the maskable tokens ([CLS]/[SEP] are never replaced:
-            # the official disc_auc counts them, which credits a detector for knowing that alone)
-            maskable = eligible_positions(x, model.config, attention_mask)
-            metrics["copy_auc"] = auc(-copy_logit.detach(), ~is_original, maskable)
+                       **detector_metrics("copy", -copy_logit, ~is_original, x, model.config, attention_mask,
+                                          self.training))
         return loss, metrics
 
 
@@ -612,24 +623,19 @@ class ELECTRA(nn.Module):
         self.disc_head.apply(Bert._init_weights)
         model.head.requires_grad_(False)  # unused here: keep it out of the optimizer and DDP's reducer
 
-    def forward(self, model, batch, gen):
+    def forward(self, model, batch, rng):
         x, attention_mask = batch["input_ids"], batch.get("attention_mask")
         valid = non_pad(x, attention_mask)
         # generator: MLM on 85/0/15 masking, samples from its training logits replace the masked tokens
-        x_mlm, positions, labels, gen_loss, gen_acc = self.generator(model, x, attention_mask, gen, self.mask_prob,
-                                                                     0.85, 0.0)
+        x_mlm, positions, labels, gen_loss, gen_acc = self.generator(model, x, attention_mask, rng, self.mask_prob,
+                                                                     mask_frac=0.85, random_frac=0.0)
         replaced = x_mlm != x
         # discriminator: replaced or original, at every non-pad position
         disc_logit = upcast(self.disc_head(model(x_mlm, attention_mask=attention_mask)).squeeze(-1))  # (B, T)
         disc_loss = masked_bce(disc_logit, replaced, valid)
         metrics = dict(gen_loss=gen_loss.detach(), disc_loss=disc_loss.detach(), gen_acc=gen_acc,
-                       disc_acc=masked_mean((disc_logit > 0) == replaced, valid).detach(),
-                       disc_trivial=binary_entropy(masked_mean(replaced, valid)).detach(),
-                       replaced_frac=masked_mean(replaced.gather(1, positions), labels != -100).detach())
-        if not self.training:  # held-out only: a sort of B*T scores
-            # over the maskable tokens, as copy_auc ([CLS]/[SEP] are never replaced)
-            maskable = eligible_positions(x, model.config, attention_mask)
-            metrics["disc_auc"] = auc(disc_logit.detach(), replaced, maskable)
+                       replaced_frac=masked_mean(replaced.gather(1, positions), labels != -100).detach(),
+                       **detector_metrics("disc", disc_logit, replaced, x, model.config, attention_mask, self.training))
         return gen_loss + self.disc_weight * disc_loss, metrics
 
 

@@ -50,9 +50,9 @@ def test_hf_baseline_same_config_on_cpu(capsys):
 
 def test_hf_masking_matches_the_collator():
     config = BertConfig(**MODEL_PRESETS["tiny"])
-    gen = torch.Generator().manual_seed(0)
-    ids = bench.random_blocks(64, 128, config, "cpu", gen)
-    batch = bench.hf_mlm_batch(ids, config, gen)
+    rng = torch.Generator().manual_seed(0)
+    ids = bench.random_blocks(64, 128, config, "cpu", rng)
+    batch = bench.hf_mlm_batch(ids, config, rng)
     selected = batch["labels"] != -100
     assert not selected[:, [0, -1]].any()  # [CLS] and [SEP] are never selected
     assert torch.equal(batch["labels"][selected], ids[selected])

@@ -184,7 +184,7 @@ def test_interface(name, padded):
     batch = make_batch(**(PADDED if padded else {}))
     state = torch.get_rng_state()
     loss, metrics = objective(model, batch, seeded())
-    assert torch.equal(state, torch.get_rng_state())  # every draw came from gen
+    assert torch.equal(state, torch.get_rng_state())  # every draw came from rng
     assert loss.dim() == 0 and torch.isfinite(loss)
     assert set(metrics) == NAMES[name]
     assert all(isinstance(v, torch.Tensor) and v.dim() == 0 and not v.requires_grad and torch.isfinite(v)
@@ -283,10 +283,10 @@ def test_taco_samples_follow_the_official_sampler():
     batch = make_batch(B=4, T=12, lengths=[12, 9, 12, 5])
     valid = batch["attention_mask"].bool()
     B, T = valid.shape
-    gen = seeded(7)
+    rng = seeded(7)
     offsets, edge_hits, neg_hits = torch.zeros(5), torch.zeros(B, T), torch.zeros(B * T)
     for _ in range(300):
-        positive, negatives = taco_samples(valid, 5, 20, gen)
+        positive, negatives = taco_samples(valid, 5, 20, rng)
         pos_row, pos_col = positive // T, positive % T
         assert torch.equal(pos_row, torch.arange(B)[:, None].expand(B, T))  # same sequence
         assert valid.flatten()[positive][valid].all()  # never padding (for real anchors)
@@ -322,9 +322,9 @@ def test_taco_negative_pool_draws():
         assert all(torch.equal(a, b) for a, b in zip(taco_samples(valid, 5, 8, seeded(3)), same))
     # pools of 2 and 3 rows: negatives stay in the anchor's pool, rows uniform among its other rows
     for pool in (2, 3):
-        gen, hits = seeded(5), torch.zeros(B, B)
+        rng, hits = seeded(5), torch.zeros(B, B)
         for _ in range(200):
-            positive, negatives = taco_samples(valid, 5, 8, gen, pool)
+            positive, negatives = taco_samples(valid, 5, 8, rng, pool)
             neg_row = negatives // T
             anchor_row = torch.arange(B)[:, None, None]
             assert (neg_row // pool == anchor_row // pool).all() and (neg_row != anchor_row).all()
@@ -445,9 +445,9 @@ def test_taco_matches_reference(padded, anchors):
     valid = am.bool() if padded else torch.ones_like(x, dtype=torch.bool)
     loss, metrics = objective(model, batch, seeded(4))
     # replay the draws: masking, then TACO's positives and negatives
-    gen = seeded(4)
-    corrupted, positions, labels = mask_tokens(x, model.config, gen, attention_mask=am)
-    positive, negatives = taco_samples(valid, W, K, gen)
+    rng = seeded(4)
+    corrupted, positions, labels = mask_tokens(x, model.config, rng, attention_mask=am)
+    positive, negatives = taco_samples(valid, W, K, rng)
     h, emb = model(corrupted, attention_mask=am, return_embeddings=True)
     g = (h - emb).reshape(-1, h.size(-1))
     masked = {(b, p.item()) for b in range(x.size(0)) for p, l in zip(positions[b], labels[b]) if l != -100}
@@ -620,17 +620,17 @@ def test_tacl_requires_init_from():
 def replay_generator(objective, model, x, am, seed, mask_frac, random_frac):
     """Re-run the generator's draws: masking, generator logits, Gumbel samples. A second generator forward,
     as the two-forward version did at dropout 0 (ELECTRA now samples from its one training forward)."""
-    gen = seeded(seed)
-    corrupted, positions, labels = mask_tokens(x, model.config, gen, 0.15, mask_frac, random_frac, am)
+    rng = seeded(seed)
+    corrupted, positions, labels = mask_tokens(x, model.config, rng, 0.15, mask_frac, random_frac, am)
     logits = objective.generator.logits(model, corrupted, am, positions)
-    sampled = sample_tokens(logits, gen).view_as(positions)
+    sampled = sample_tokens(logits, rng).view_as(positions)
     x_mlm = x.clone()
     for b in range(x.size(0)):
         for k in range(positions.size(1)):
             if labels[b, k] != -100:
                 x_mlm[b, positions[b, k]] = sampled[b, k]
     gen_terms = [ref_log_softmax_at(list(logits[i]), l) for i, l in enumerate(labels.flatten()) if l != -100]
-    return gen, x_mlm, positions, labels, sum(gen_terms) / len(gen_terms)
+    return rng, x_mlm, positions, labels, sum(gen_terms) / len(gen_terms)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -662,8 +662,8 @@ def test_cocolm_matches_reference(padded, negative_pool):
     x, am = batch["input_ids"], batch.get("attention_mask")
     valid = am.bool() if padded else torch.ones_like(x, dtype=torch.bool)
     loss, metrics = objective(model, batch, seeded(8))
-    gen, x_mlm, positions, labels, gen_loss = replay_generator(objective, model, x, am, 8, 0.8, 0.1)
-    crop_ids, crop_mask = crop_views(x, model.config, gen, 0.9, am)
+    rng, x_mlm, positions, labels, gen_loss = replay_generator(objective, model, x, am, 8, 0.8, 0.1)
+    crop_ids, crop_mask = crop_views(x, model.config, rng, 0.9, am)
     h = model(x_mlm, attention_mask=am)
     B, T = x.shape
     copy_terms, rows = [], []
@@ -717,7 +717,7 @@ def ref_corrective_lm(objective, model, h, x, x_mlm, positions, labels):
 def test_cocolm_a_sample_equal_to_the_original_counts_as_original(monkeypatch):
     """The generator is right in rows 0 and 2 (every sample is the original token) and wrong in rows 1 and 3:
     L_LM takes its orig * p_copy(1) branch exactly there, and replaced_frac counts only rows 1 and 3."""
-    monkeypatch.setattr(losses, "sample_tokens", lambda logits, gen: torch.full(logits.shape[:-1], 7))
+    monkeypatch.setattr(losses, "sample_tokens", lambda logits, rng: torch.full(logits.shape[:-1], 7))
     model = tiny_model()
     objective = build("cocolm", model)
     with torch.no_grad():
@@ -893,15 +893,15 @@ def test_generator_forwards_and_sampling_logits(monkeypatch, name):
     training_logits = head_outputs[0]
     assert training_logits.requires_grad  # the forward that gen_loss trains on
     used = labels != -100
-    gen = seeded(4)
-    mask_tokens(x, model.config, gen, 0.15, mask_frac, random_frac)
-    state = gen.get_state()
-    from_training = sample_tokens(training_logits, gen).view_as(positions)[used]
+    rng = seeded(4)
+    mask_tokens(x, model.config, rng, 0.15, mask_frac, random_frac)
+    state = rng.get_state()
+    from_training = sample_tokens(training_logits, rng).view_as(positions)[used]
     objective.eval(), model.eval()
     with torch.no_grad():
         dropout_off = objective.generator.logits(model, mask_tokens(x, model.config, seeded(4), 0.15, mask_frac,
                                                                     random_frac)[0], None, positions)
-    from_dropout_off = sample_tokens(dropout_off, gen.set_state(state)).view_as(positions)[used]
+    from_dropout_off = sample_tokens(dropout_off, rng.set_state(state)).view_as(positions)[used]
     assert not torch.equal(from_training, from_dropout_off)  # the test can tell the two apart
     assert torch.equal(x_mlm.gather(1, positions)[used], from_training if name == "electra" else from_dropout_off)
 
@@ -975,9 +975,9 @@ def test_loss_falls(name, extra):
     x = torch.cat([torch.full((8, 1), CLS), patterns.repeat(1, 5)[:, :22], torch.full((8, 1), SEP)], 1)
     params = [p for p in list(model.parameters()) + list(objective.parameters()) if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.01)
-    gen, history = seeded(0), []
+    rng, history = seeded(0), []
     for step in range(40):
-        loss, _ = objective(model, dict(input_ids=x), gen)
+        loss, _ = objective(model, dict(input_ids=x), rng)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -1047,7 +1047,7 @@ def test_a_training_forward_has_no_host_sync(name):
     model = tiny_model(double=False)
     objective = build(name, model, double=False, taco_negatives=7)
     torch._dynamo.reset()
-    explained = torch._dynamo.explain(lambda batch, gen: objective(model, batch, gen))(make_batch(**PADDED), seeded())
+    explained = torch._dynamo.explain(lambda batch, rng: objective(model, batch, rng))(make_batch(**PADDED), seeded())
     assert explained.graph_count >= 1
     for reason in explained.break_reasons:
         frame = reason.user_stack[-1]

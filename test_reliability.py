@@ -142,8 +142,8 @@ class NaNAfter(losses.MLM):
     """MLM whose training loss turns NaN from the `after`-th training forward on."""
     after, calls = 0, 0
 
-    def forward(self, model, batch, gen):
-        loss, metrics = super().forward(model, batch, gen)
+    def forward(self, model, batch, rng):
+        loss, metrics = super().forward(model, batch, rng)
         if self.training:
             NaNAfter.calls += 1
             if NaNAfter.calls > NaNAfter.after:
@@ -189,8 +189,8 @@ class InfGrad(torch.autograd.Function):
 class InfGradAt(losses.MLM):
     calls = 0
 
-    def forward(self, model, batch, gen):
-        loss, metrics = super().forward(model, batch, gen)
+    def forward(self, model, batch, rng):
+        loss, metrics = super().forward(model, batch, rng)
         if self.training:
             InfGradAt.calls += 1
             if InfGradAt.calls in (3, 4):

@@ -104,8 +104,8 @@ def test_gradient_accumulation_averages_the_micro_batches(corpus, tmp_path, monk
     micro, accumulated, terms = [], [], []
     forward, clip = train.Pretrainer.forward, torch.nn.utils.clip_grad_norm_
 
-    def recording_forward(self, batch, gen):
-        loss, metrics = forward(self, batch, gen)
+    def recording_forward(self, batch, rng):
+        loss, metrics = forward(self, batch, rng)
         params = list(self.parameters())
         micro.append(dict(zip(map(id, params), torch.autograd.grad(loss, params, retain_graph=True))))
         terms.append({"loss": float(loss), **{k: float(v) for k, v in metrics.items()}})
@@ -216,8 +216,8 @@ def test_an_objective_added_to_losses_trains(corpus, tmp_path, monkeypatch):
     import losses
 
     class Halved(losses.MLM):
-        def forward(self, model, batch, gen):
-            loss, metrics = super().forward(model, batch, gen)
+        def forward(self, model, batch, rng):
+            loss, metrics = super().forward(model, batch, rng)
             return loss / 2, metrics
     monkeypatch.setitem(losses.LOSSES, "half_mlm", Halved)
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", torch.backends.cuda.matmul.allow_tf32)  # main sets it
@@ -391,9 +391,9 @@ def test_held_out_draws_are_the_same_for_every_seed_and_objective():
             super().__init__()
             self.extra, self.first = extra, []
 
-        def forward(self, model, batch, gen):
-            self.first.append(torch.randint(2 ** 30, (1,), generator=gen).item())  # the masks' first draw
-            torch.rand(self.extra, generator=gen)  # an objective's own later draws
+        def forward(self, model, batch, rng):
+            self.first.append(torch.randint(2 ** 30, (1,), generator=rng).item())  # the masks' first draw
+            torch.rand(self.extra, generator=rng)  # an objective's own later draws
             return None, {}
 
     loader = data.BlockLoader(np.arange(5000, dtype=np.int32), seq_len=16, batch_size=4, cls_id=2, sep_id=3)

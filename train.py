@@ -45,8 +45,8 @@ class Pretrainer(nn.Module):
         super().__init__()
         self.model, self.objective = model, objective
 
-    def forward(self, batch, gen):
-        return self.objective(self.model, batch, gen)
+    def forward(self, batch, rng):
+        return self.objective(self.model, batch, rng)
 
 
 def configure_optimizer(params, cfg, device_type):
@@ -328,13 +328,13 @@ def evaluate(model, objective, val_loader, cfg, device, autocast):
     ELECTRA and COCO-LM (their main model has no MLM head). Batch i is drawn with seed i whatever
     the run's --seed and objective: every run is scored on the same masks, so two runs compare."""
     model.eval(), objective.eval()
-    gen = torch.Generator(device)
+    rng = torch.Generator(device)
     val_loader.load_state_dict(val_loader.start_state)
     totals = {}
     for i in range(cfg.eval_batches):
-        gen.manual_seed(i)  # not one stream: TACO's extra draws would move the masks of the batches after
+        rng.manual_seed(i)  # not one stream: TACO's extra draws would move the masks of the batches after
         with autocast:
-            _, metrics = objective(model, {"input_ids": val_loader.next_batch()}, gen)
+            _, metrics = objective(model, {"input_ids": val_loader.next_batch()}, rng)
         for k, v in metrics.items():
             totals["val_" + k] = totals.get("val_" + k, 0.0) + float(v) / cfg.eval_batches
     model.train(), objective.train()
@@ -608,8 +608,8 @@ def train(cfg, ckpt=None):
             record = {"step": step, **evaluate(model, objective, val_loader, cfg, device, autocast)}
             # TACO Fig. 3/6: how contextual the token states are, and how close co-occurring words' embeddings are
             val_loader.load_state_dict(val_loader.start_state)
-            gen = torch.Generator(device).manual_seed(0)  # the same partner draws for every --seed (fidelity note 26)
-            record["contextual_score"] = contextual_score(model, val_loader.next_batch(), gen, special)["contextual"]
+            rng = torch.Generator(device).manual_seed(0)  # the same partner draws for every --seed (fidelity note 26)
+            record["contextual_score"] = contextual_score(model, val_loader.next_batch(), rng, special)["contextual"]
             wordsim = wordsim_similarity(model, tok)
             if wordsim is not None:
                 record["wordsim_cooc_sim"] = wordsim
@@ -657,13 +657,13 @@ def train(cfg, ckpt=None):
             bad, metrics = torch.zeros((), dtype=torch.bool, device=device), {}
             for micro in range(grad_accum):
                 batch = {"input_ids": train_loader.next_batch()}
-                gen = torch.Generator(device).manual_seed(step_seed(cfg.seed, step, micro * world + rank))
+                rng = torch.Generator(device).manual_seed(step_seed(cfg.seed, step, micro * world + rank))
                 torch.manual_seed(step_seed(cfg.seed, step, micro * world + rank, stream=1))  # dropout
                 # sync gradients across ranks only on the last micro-step
                 sync = trainer.no_sync() if ddp and micro < grad_accum - 1 else nullcontext()
                 with sync:
                     with autocast:
-                        loss, terms = trainer(batch, gen)
+                        loss, terms = trainer(batch, rng)
                     scaler.scale(loss / grad_accum).backward()
                 bad |= ~torch.isfinite(loss.detach())
                 for k, v in {"loss": loss.detach(), **terms}.items():  # logged: this rank's mean over the micro-steps
