@@ -110,10 +110,11 @@ def _making(*paths):
 
 # ----------------------------------------------------------------------------- tokenizer
 
-def _bert_pipeline(tok, lowercase=True):
-    # strip_accents follows lowercase, as in HF BertTokenizer's default
-    tok.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True,
-                                                strip_accents=lowercase, lowercase=lowercase)
+def _bert_pipeline(tok, lowercase=True, strip_accents=None, chinese_chars=True):
+    # strip_accents None follows lowercase, as in HF BertTokenizer
+    tok.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=chinese_chars,
+                                                strip_accents=lowercase if strip_accents is None else strip_accents,
+                                                lowercase=lowercase)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tok.decoder = decoders.WordPiece(prefix="##")
 
@@ -184,12 +185,14 @@ def load_tokenizer(path):
     An empty, truncated or otherwise unreadable file is one ValueError naming it."""
     if not Path(path).exists() and re.fullmatch(r"[\w.-]+(/[\w.-]+)?", str(path)):
         return _hub_tokenizer(str(path))
-    path, lowercase = Path(path), True
+    path, options = Path(path), {}
     if path.is_dir():
         config = path / "tokenizer_config.json"
-        if config.exists():
+        if config.exists():  # HF BertTokenizer's options for a bare vocab.txt
             try:
-                lowercase = json.loads(config.read_text(encoding="utf-8")).get("do_lower_case", True)
+                options = json.loads(config.read_text(encoding="utf-8"))
+                options = dict(lowercase=options.get("do_lower_case", True), strip_accents=options.get("strip_accents"),
+                               chinese_chars=options.get("tokenize_chinese_chars", True))
             except (ValueError, AttributeError) as e:
                 raise ValueError(f"cannot read tokenizer config {config}: {_first_line(e)}") from None
         path = path / "tokenizer.json" if (path / "tokenizer.json").exists() else path / "vocab.txt"
@@ -208,7 +211,7 @@ def load_tokenizer(path):
         if "[UNK]" not in words:  # also catches an empty or truncated file
             raise ValueError(f"vocabulary {path} has no [UNK] line: empty, truncated or not a WordPiece vocab.txt")
         tok = Tokenizer(models.WordPiece.from_file(str(path), unk_token="[UNK]"))
-        _bert_pipeline(tok, lowercase)
+        _bert_pipeline(tok, **options)
         tok.add_special_tokens(SPECIAL_TOKENS)  # tokens already in the vocab keep their ids
         _add_template(tok)
     tok.no_truncation()  # some hub tokenizer.json files enable it; the stream encoder must not cut

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 import analysis
 from config import Parser, dir_problem
-from data import load_tokenizer, read_text
+from data import load_tokenizer, read_text, special_token_ids
 from model import Bert, config_to_hf, write_atomic, write_hf_dir
 
 # ----------------------------------------------------------------------------------------------
@@ -788,6 +788,12 @@ def run_glue(args, log=print):
     cfg = base.config
     if tok.get_vocab_size() > cfg.vocab_size:
         raise ValueError(f"{model_dir}: the tokenizer has {tok.get_vocab_size()} tokens, the model {cfg.vocab_size}")
+    ids, mine = special_token_ids(tok), (cfg.pad_token_id, cfg.cls_token_id, cfg.sep_token_id)
+    if (ids["pad"], ids["cls"], ids["sep"]) != mine:  # config.json's ids, or a guess where it has none
+        raise ValueError(f"{model_dir}: the tokenizer's [PAD], [CLS], [SEP] are {ids['pad']}, {ids['cls']}, "
+                         f"{ids['sep']}; the model's config says {', '.join(map(str, mine))}")
+    if cfg.type_vocab_size < 2 and any(len(t.tsv_text) > 1 for t in tasks):
+        raise ValueError(f"{model_dir}: type_vocab_size {cfg.type_vocab_size}: no second segment for sentence-pair tasks")
     size = args.model_size if args.model_size != "auto" else ("base" if cfg.hidden_size >= 768 else "small")
     overrides = {k: getattr(args, k) for k in HPARAMS if getattr(args, k) is not None}
     if args.max_len is not None and args.max_len > cfg.max_position_embeddings:

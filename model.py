@@ -169,6 +169,7 @@ class Bert(nn.Module):
         self.encoder = Encoder(config)
         self.head = MLMHead(config)
         self.pooler = None  # only kept when a loaded checkpoint has one (eval.py adds a fresh one)
+        self.fresh_head = False  # from_pretrained: the checkpoint had no MLM head, so this one is a fresh init
         self.apply(self._init_weights)
 
     @staticmethod
@@ -219,14 +220,14 @@ class Bert(nn.Module):
         try:
             with open(cfg_path) as f:
                 hf = json.load(f)
-            config = config_from_hf(hf, vocab_file=os.path.join(path, "vocab.txt"))
+            config = config_from_hf(hf, vocab=_read_vocab(path))
         except KeyError as e:
             raise ValueError(f"{cfg_path}: not a valid BERT config (no {e} key)") from None
         except ValueError as e:  # not JSON, not UTF-8, or a value BertConfig refuses
             raise ValueError(f"{cfg_path}: not a valid BERT config ({_last_line(e)})") from None
         state = _read_weights(path)
         model = cls(config)
-        model.load_hf_state_dict(state, source=path)
+        model.fresh_head = not model.load_hf_state_dict(state, source=path)
         return model
 
     def load_hf_state_dict(self, state, source="checkpoint"):
@@ -238,6 +239,18 @@ class Bert(nn.Module):
         own = self.state_dict()
         names = hf_weight_names(self.config)
         has_head = "cls.predictions.transform.dense.weight" in state
+        used = {t for ours, theirs in names.items() if has_head or not ours.startswith("head.")
+                for t in ([theirs] if isinstance(theirs, str) else theirs)}
+        tied = {"cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
+                "cls.predictions.decoder.bias": "cls.predictions.bias"}
+        for key in sorted(set(state) - used):
+            if key in tied:
+                if tied[key] in state and not torch.equal(state[key], state[tied[key]]):  # this model ties them
+                    raise ValueError(f"{source}: {key} differs from {tied[key]}: an untied MLM decoder, which this "
+                                     f"BERT cannot hold (its decoder is the word embeddings)")
+            elif not (key.startswith(("bert.pooler.", "cls.seq_relationship.", "classifier."))
+                      or key.endswith(("position_ids", "token_type_ids"))):  # NSP and task heads are not used
+                raise ValueError(f"{source}: unexpected weight {key} (not a BERT of this config's shape?)")
         for ours, theirs in names.items():
             if ours.startswith("head.") and not has_head:
                 continue  # a BertModel checkpoint: the MLM head keeps its fresh init
@@ -267,6 +280,7 @@ class Bert(nn.Module):
                     found = "missing" if tensor is None else f"{tuple(tensor.shape)} {tensor.dtype}"
                     raise ValueError(f"{source}: bert.pooler.dense.{name} is {found}, expected {tuple(target.shape)}")
                 target.data.copy_(tensor)
+        return has_head
 
     def hf_state_dict(self):
         """Weights under Hugging Face BertForMaskedLM names, vocab padding removed."""
@@ -343,12 +357,16 @@ def config_to_hf(config):
     }
 
 
-def config_from_hf(hf, vocab_file=None):
+def config_from_hf(hf, vocab=None):
+    """BertConfig of a Hugging Face config.json; the special token ids from its own keys (this project's
+    exports), else from vocab (token -> id, the directory's tokenizer), else bert-base-uncased's at 30,522."""
     if not isinstance(hf, dict):
         raise ValueError(f"expected a JSON object, got {type(hf).__name__}")
     if hf.get("hidden_act", "gelu") != "gelu" or hf.get("position_embedding_type", "absolute") != "absolute":
         raise ValueError(f"unsupported BERT variant (hidden_act={hf.get('hidden_act')}, "
                          f"position_embedding_type={hf.get('position_embedding_type')})")
+    if hf.get("is_decoder") or hf.get("add_cross_attention"):  # a causal mask / cross-attention: not this model
+        raise ValueError("unsupported BERT variant (is_decoder or add_cross_attention)")
     values = dict(
         vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
         num_heads=hf["num_attention_heads"], intermediate_size=hf["intermediate_size"],
@@ -356,13 +374,6 @@ def config_from_hf(hf, vocab_file=None):
         dropout=hf.get("hidden_dropout_prob", 0.1), layer_norm_eps=hf.get("layer_norm_eps", 1e-12),
         pad_token_id=hf.get("pad_token_id") or 0)
     specials = dict(unk_token_id="[UNK]", cls_token_id="[CLS]", sep_token_id="[SEP]", mask_token_id="[MASK]")
-    vocab = None
-    if not all(k in hf for k in specials) and vocab_file and os.path.isfile(vocab_file):
-        try:
-            with open(vocab_file, encoding="utf-8") as f:
-                vocab = {line.rstrip("\n"): i for i, line in enumerate(f)}
-        except UnicodeDecodeError:
-            raise ValueError(f"{vocab_file} is not UTF-8 text") from None
     for key, token in specials.items():
         if key in hf:
             values[key] = hf[key]
@@ -373,29 +384,47 @@ def config_from_hf(hf, vocab_file=None):
     return BertConfig(**values)  # checks every value
 
 
+def _read_vocab(path):
+    """token -> id of the tokenizer saved beside the weights (vocab.txt, else tokenizer.json), or None."""
+    try:
+        if os.path.isfile(os.path.join(path, "vocab.txt")):
+            with open(os.path.join(path, "vocab.txt"), encoding="utf-8") as f:
+                return {line.rstrip("\n"): i for i, line in enumerate(f)}
+        if os.path.isfile(os.path.join(path, "tokenizer.json")):  # transformers 5 saves no vocab.txt
+            with open(os.path.join(path, "tokenizer.json"), encoding="utf-8") as f:
+                vocab = json.load(f).get("model", {}).get("vocab")
+            return vocab if isinstance(vocab, dict) else None
+    except (UnicodeDecodeError, ValueError, AttributeError):
+        raise ValueError(f"{path}: its vocab.txt / tokenizer.json is not a readable vocabulary") from None
+    return None
+
+
 def _read_weights(path):
-    st, pt = os.path.join(path, "model.safetensors"), os.path.join(path, "pytorch_model.bin")
-    try:
-        if os.path.isfile(st):
-            from safetensors.torch import load_file
-            return load_file(st)
-        if os.path.isfile(pt):  # the safe loader: a pickle that would run code is refused
-            return torch.load(pt, map_location="cpu", weights_only=True)
-    except Exception as e:
-        unsafe = re.search(r"GLOBAL ([\w.]+)", str(e))  # torch's weights-only unpickler refused a global
-        if unsafe:
-            raise ValueError(f"{pt}: refused: it holds a Python object ({unsafe.group(1)}) that only an unsafe "
-                             f"load would run; weights files hold tensors only") from None
-        raise ValueError(f"{path}: corrupt weights file ({type(e).__name__}: {_last_line(e)})") from None
-    raise ValueError(f"{path}: no model.safetensors or pytorch_model.bin")
+    """The state dict of model.safetensors or pytorch_model.bin, or of the shards their .index.json lists."""
+    from safetensors.torch import load_file
+    for name, load in (("model.safetensors", load_file), ("pytorch_model.bin", _load_tensors)):
+        file, index = os.path.join(path, name), os.path.join(path, name + ".index.json")
+        try:
+            if os.path.isfile(file):
+                return load(file)
+            if os.path.isfile(index):  # a sharded checkpoint (save_pretrained's max_shard_size)
+                with open(index, encoding="utf-8") as f:
+                    shards = sorted(set(json.load(f)["weight_map"].values()))
+                return {k: v for shard in shards for k, v in load(os.path.join(path, shard)).items()}
+        except ValueError:
+            raise
+        except Exception as e:
+            raise ValueError(f"{path}: corrupt weights file ({type(e).__name__}: {_last_line(e)})") from None
+    raise ValueError(f"{path}: no model.safetensors or pytorch_model.bin (or their .index.json)")
 
 
-def load_checkpoint_file(path):
-    """Read a training checkpoint with torch's safe loader (tensors, numbers, strings, lists, dicts):
-    a file that holds any other Python object is refused, never unpickled, so no code in it runs.
-    Every failure is one clear ValueError."""
+def _load_tensors(path):
+    """torch.load with the weights-only unpickler: a file holding any other Python object is refused, never
+    unpickled, so no code in it runs (safe from torch 2.6 on: CVE-2025-32434). Every failure is a ValueError."""
+    if tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2]) < (2, 6):
+        raise ValueError(f"{path}: torch {torch.__version__} cannot load a pickled file safely; use torch >= 2.6")
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         unsafe = re.search(r"GLOBAL ([\w.]+)", str(e))  # torch's weights-only unpickler refused a global
         if unsafe:
@@ -403,8 +432,15 @@ def load_checkpoint_file(path):
                     "once with torch.load(weights_only=False) if you trust it and re-save it without 'rng')"
                     if unsafe.group(1).startswith("numpy") else "")
             raise ValueError(f"{path}: refused: it holds a Python object ({unsafe.group(1)}) that only an unsafe "
-                             f"load would run; a checkpoint holds tensors and plain values{hint}") from None
-        raise ValueError(f"{path}: corrupt or unreadable checkpoint ({type(e).__name__}: {_last_line(e)})") from None
+                             f"load would run; weights and checkpoints hold tensors and plain values{hint}") from None
+        raise ValueError(f"{path}: corrupt or unreadable file ({type(e).__name__}: {_last_line(e)})") from None
+
+
+def load_checkpoint_file(path):
+    """Read a training checkpoint with torch's safe loader (tensors, numbers, strings, lists, dicts):
+    a file that holds any other Python object is refused, never unpickled, so no code in it runs.
+    Every failure is one clear ValueError."""
+    ckpt = _load_tensors(path)
     if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
         raise ValueError(f"{path}: not a checkpoint of this project (no model / model_config)")
     return ckpt

@@ -149,6 +149,9 @@ def test_hf_style_vocab(tmp_path):
     enc = tok.encode("Unaffable, HÉLLO world!")
     assert enc.tokens == ["[CLS]", "un", "##aff", "##able", ",", "hello", "world", "!", "[SEP]"]
     assert enc.ids[0] == 101 and enc.ids[-1] == 102
+    # a directory's tokenizer_config.json sets lowercasing and accent stripping apart, as HF BertTokenizer
+    (tmp_path / "tokenizer_config.json").write_text('{"do_lower_case": true, "strip_accents": false}')
+    assert data.load_tokenizer(tmp_path).encode("HÉLLO world").tokens == ["[CLS]", "[UNK]", "world", "[SEP]"]
 
 
 def test_transformers_autotokenizer(tok_dir, tmp_path):

@@ -571,6 +571,26 @@ def test_error_nothing_to_score(tmp_path, tiny_model_dir, capsys):
     assert "no GLUE task could be scored" in err and "RTE/train.tsv" in err
 
 
+def test_error_model_and_tokenizer_disagree(tmp_path, tiny_model_dir, capsys):
+    # a config whose special ids are not the tokenizer's would frame every row with the wrong [CLS]/[SEP];
+    # a model without a second token type cannot encode a sentence pair
+    for change, needle in [(dict(cls_token_id=7), "the model's config says 0, 7, 3"),
+                           (dict(type_vocab_size=1), "type_vocab_size 1: no second segment")]:
+        model_dir = tmp_path / str(len(change) + len(needle))
+        model_dir.mkdir()
+        for f in tiny_model_dir.iterdir():
+            (model_dir / f.name).write_bytes(f.read_bytes())
+        config = json.loads((model_dir / "config.json").read_text())
+        (model_dir / "config.json").write_text(json.dumps({**config, **change}))
+        if "type_vocab_size" in change:  # its weights must say so too
+            from safetensors.torch import load_file, save_file
+            state = load_file(str(model_dir / "model.safetensors"))
+            name = "bert.embeddings.token_type_embeddings.weight"
+            save_file({**state, name: state[name][:1].contiguous()}, str(model_dir / "model.safetensors"))
+        err = run_main_error(["--model", str(model_dir), "--glue_dir", str(tmp_path), "--tasks", "mrpc"], capsys)
+        assert needle in err, err
+
+
 def test_error_several_models_for_glue(tmp_path, tiny_model_dir, capsys):
     err = run_main_error(["--model", str(tiny_model_dir), str(tiny_model_dir), "--glue_dir", str(tmp_path)], capsys)
     assert "one --model" in err

@@ -224,3 +224,48 @@ def test_a_corrupt_config_is_one_clear_error(tmp_path, edit, problem):
     torch.save({"model": {}, "model_config": dict(TINY, num_heads=3)}, tmp_path / "ckpt.pt")
     with pytest.raises(ValueError, match="not a valid model config"):
         Bert.from_pretrained(str(tmp_path / "ckpt.pt"))
+
+
+def test_hf_checkpoints_this_bert_cannot_hold_are_refused(tmp_path):
+    # an untied decoder, a causal decoder, an extra layer: each would load silently wrong, so each is refused
+    def cfg(**kw):
+        return transformers.BertConfig(**{**hf_tiny().config.to_dict(), **kw})
+    untied = transformers.BertForMaskedLM(cfg(tie_word_embeddings=False))
+    with pytest.raises(ValueError, match="untied MLM decoder"):
+        Bert.from_pretrained(save_hf(untied, str(tmp_path / "untied")))
+    with pytest.raises(ValueError, match="is_decoder"):
+        Bert.from_pretrained(save_hf(transformers.BertForMaskedLM(cfg(is_decoder=True)), str(tmp_path / "decoder")))
+    deeper = save_hf(transformers.BertForMaskedLM(cfg(num_hidden_layers=3)), str(tmp_path / "deeper"))
+    config = json.load(open(os.path.join(deeper, "config.json")))
+    json.dump({**config, "num_hidden_layers": 2}, open(os.path.join(deeper, "config.json"), "w"))
+    with pytest.raises(ValueError, match="unexpected weight bert.encoder.layer.2"):
+        Bert.from_pretrained(deeper)
+    # what HF ties or this model has no use for still loads: a tied decoder in a .bin, NSP, a task head
+    tied = transformers.BertForPreTraining(cfg())
+    tied.save_pretrained(str(tmp_path / "tied_bin"), safe_serialization=False)
+    Bert.from_pretrained(str(tmp_path / "tied_bin"))
+    Bert.from_pretrained(save_hf(transformers.BertForSequenceClassification(cfg()), str(tmp_path / "cls")))
+
+
+def test_sharded_checkpoint_and_special_ids_from_tokenizer_json(tmp_path):
+    hf = hf_tiny()
+    hf.save_pretrained(str(tmp_path), max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").exists() and not (tmp_path / "model.safetensors").exists()
+    ours = Bert.from_pretrained(str(tmp_path)).eval()
+    x = torch.randint(5, 100, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(ours.mlm_logits(ours(x)), hf(input_ids=x).logits, atol=1e-5, rtol=0)
+    # transformers 5 saves tokenizer.json without vocab.txt: the special ids come from it, not a guess
+    vocab = {f"w{i}": i for i in range(100)}
+    vocab.update({"[PAD]": 0, "[UNK]": 50, "[CLS]": 51, "[SEP]": 52, "[MASK]": 53})
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"model": {"type": "WordPiece", "vocab": vocab}}))
+    config = Bert.from_pretrained(str(tmp_path)).config
+    assert (config.unk_token_id, config.cls_token_id, config.sep_token_id, config.mask_token_id) == (50, 51, 52, 53)
+
+
+def test_pickled_files_are_refused_on_a_torch_without_safe_loading(tmp_path, monkeypatch):
+    import model
+    torch.save({"model": {}, "model_config": {}}, str(tmp_path / "ckpt.pt"))
+    monkeypatch.setattr(torch, "__version__", "2.5.1")  # weights_only=True can be bypassed before 2.6
+    with pytest.raises(ValueError, match="cannot load a pickled file safely; use torch >= 2.6"):
+        model.load_checkpoint_file(str(tmp_path / "ckpt.pt"))

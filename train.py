@@ -423,6 +423,8 @@ def train(cfg, ckpt=None):
                                  "the vocabulary its weights were trained with is unknown; pass --tokenizer DIR or "
                                  "a hub name (e.g. bert-base-uncased)")
             cfg.tokenizer = weights_dir  # the vocabulary the weights were trained with
+        if init_model.fresh_head and master and cfg.objective in ("mlm", "taco", "tacl"):
+            print(f"note: {cfg.init_from} has no MLM head (a BertModel): the head starts from a fresh init")
     max_pos = init_model.config.max_position_embeddings if init_model else 512
     if cfg.seq_len > max_pos:
         raise ValueError(f"seq_len {cfg.seq_len} exceeds the model's max_position_embeddings {max_pos}")
@@ -470,8 +472,8 @@ def train(cfg, ckpt=None):
         mine = (init_model.config.vocab_size, init_model.config.mask_token_id, init_model.config.cls_token_id)
         if mine != (model_config.vocab_size, special["mask"], special["cls"]):
             raise ValueError(f"--init_from {cfg.init_from}: its vocabulary (size, [MASK], [CLS] = {mine}) does not "
-                             f"match the tokenizer's ({model_config.vocab_size}, {special['mask']}, {special['cls']}); "
-                             f"pass --tokenizer {init_dir(cfg.init_from)}")
+                             f"match the tokenizer's in {cfg.tokenizer} ({model_config.vocab_size}, {special['mask']}, "
+                             f"{special['cls']}); pass --tokenizer with the one its weights were trained with")
         model_config = replace(init_model.config, dropout=cfg.dropout)
     model = Bert(model_config)
     if init_model:
