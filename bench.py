@@ -376,6 +376,8 @@ def main(argv=None):
         p.error(f"--device {args.device}: bench.py times cpu or cuda")
     if device.type != "cuda":
         args.compile = 0  # CPU runs stay eager, as in train.py
+        if args.device == "auto":
+            print("note: no CUDA GPU, timing on the CPU (minutes per row at batch 256; see the README's CPU commands)")
     if args.interleave and (device.type == "cuda" or args.profile):
         p.error("--interleave is for CPU timing, without --profile (it holds every run of a size at once)")
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True

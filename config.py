@@ -12,6 +12,7 @@ import math
 import os
 import re
 import sys
+import tempfile
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -244,8 +245,9 @@ def validate(cfg):
     need(cfg.seed < 2 ** 64, "seed", "must be < 2**64 (torch seeds are unsigned 64-bit integers)")
     need(cfg.data.strip(), "data", "must name a file, a directory, a glob or a hub dataset")
     need(cfg.warmup_steps <= cfg.max_steps, "warmup_steps", f"must be <= --max_steps {cfg.max_steps}")
-    need(cfg.objective != "taco" or (cfg.negative_pool or cfg.batch_size) >= 2, "batch_size",
-         "TACO draws negatives from the other sequences of its pool: it needs batch_size (or negative_pool) >= 2")
+    need(cfg.objective not in ("taco", "cocolm") or (cfg.negative_pool or cfg.batch_size) >= 2, "batch_size",
+         "TACO and COCO-LM's SCL draw negatives from the other sequences of their pool: they need batch_size (or "
+         "negative_pool) >= 2")
     candidates = ((cfg.negative_pool or cfg.batch_size) - 1) * cfg.seq_len  # tokens in the other rows of a pool
     need(cfg.objective != "taco" or cfg.taco_negatives <= candidates, "taco_negatives",
          f"must be <= {candidates:,}, the tokens of the other rows of its pool ((negative_pool or batch_size) - 1) x "
@@ -299,7 +301,11 @@ def dir_problem(path):
     parent = os.path.abspath(path)
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+    try:  # a real write, not os.access: root passes that check where /sys, /proc or a read-only mount refuse
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=".write_probe")
+        os.close(fd)
+        os.remove(probe)
+    except OSError:
         return f"cannot be created or written ({parent} is not a writable directory)"
     return None
 

@@ -312,9 +312,23 @@ def _read_problem(e):
         return f"not UTF-8 text ({e.reason} at byte {e.start}): a binary file, or convert it with iconv -t UTF-8"
     return _first_line(e)
 
+def _plain_path(f, hf_cache):
+    """f for load_dataset, whose data_files are patterns (a[1] is not a1) and, compressed, URLs (where [1] is
+    an IPv6 host): a name with brackets is read through a symlink named by its path's hash."""
+    if not re.search(r"[][]", Path(f).name):
+        return glob.escape(f)
+    link = Path(hf_cache) / "links" / (hashlib.sha1(os.path.abspath(f).encode()).hexdigest()[:16]
+                                       + "".join(Path(f).suffixes[-2:]))
+    if not link.is_symlink():
+        link.parent.mkdir(parents=True, exist_ok=True)
+        os.symlink(os.path.abspath(f), f"{link}.{os.getpid()}.tmp")
+        os.replace(f"{link}.{os.getpid()}.tmp", link)  # atomic: a concurrent run makes the same link
+    return glob.escape(str(link))
+
+
 def _load_local(datasets, builder, split_files, hf_cache):
     """load_dataset for local files; a file it cannot read is one ValueError naming that file."""
-    escaped = {name: glob.escape(f) for name, f in split_files.items()}  # data_files are patterns: a[1] is not a1
+    escaped = {name: _plain_path(f, hf_cache) for name, f in split_files.items()}
     try:
         return datasets.load_dataset(builder, data_files=escaped, cache_dir=hf_cache)
     except Exception as e:

@@ -448,7 +448,8 @@ def load_checkpoint_file(path):
 
 def _last_line(e):
     lines = [line for line in str(e).splitlines() if line.strip() and "documentation" not in line]
-    return (lines[-1] if lines else "")[:200]
+    line = lines[-1] if lines else ""
+    return line if len(line) <= 200 else line[:line.rfind(". ", 0, 200) + 1 or 200]  # whole sentences
 
 
 def _load_project_checkpoint(path):

@@ -220,6 +220,10 @@ def test_brackets_in_a_path_are_not_a_pattern(tmp_path, monkeypatch):
     (home / "corpus" / "b1.txt").write_text("the wrong file\n")
     [(_, ds, _)] = data._load_corpus(str(home / "corpus" / "b[1].txt"), [home / "corpus" / "b[1].txt"], tmp_path)
     assert ds["text"] == [_paragraph(2)]
+    with lzma.open(home / "corpus" / "c[1].txt.xz", "wt") as f:  # compressed, datasets read [1] as an IPv6 host
+        f.write(_paragraph(3))
+    [(_, ds, _)] = data._load_corpus(str(home / "corpus" / "c[1].txt.xz"), [home / "corpus" / "c[1].txt.xz"], tmp_path)
+    assert ds["text"] == [_paragraph(3)]
 
 
 def test_cache_reused_and_invalidated(tok_dir, tmp_path, monkeypatch):

@@ -82,6 +82,12 @@ def micro_batching(cfg, world):
             raise ValueError(f"--negative_pool {cfg.negative_pool} needs that many sequences per process and "
                              f"micro-step; --batch_size {cfg.batch_size} with {world} process(es) allows "
                              f"{min(cfg.batch_size, cfg.tokens_per_step // (cfg.seq_len * world))}")
+    pool = cfg.negative_pool or batch_size  # validate() checked the flags; this is what each process gets
+    if cfg.objective in ("taco", "cocolm") and (pool < 2 or cfg.objective == "taco" and
+                                                 cfg.taco_negatives > (pool - 1) * cfg.seq_len):
+        raise ValueError(f"{world} process(es) leave {batch_size} sequence(s) per process and micro-step (a pool of "
+                         f"{pool}): {cfg.objective} needs a pool of >= 2 and, for TACO, taco_negatives <= (pool - 1) "
+                         f"x seq_len; raise --tokens_per_step or set --negative_pool")
     micro_tokens = batch_size * cfg.seq_len * world
     if cfg.tokens_per_step % micro_tokens:
         raise ValueError(f"tokens_per_step {cfg.tokens_per_step} is not a multiple of batch_size {batch_size} "
@@ -345,6 +351,7 @@ def evaluate(model, objective, val_loader, cfg, device, autocast):
 
 def main(argv=None):
     lock = made = None
+    started = False
     try:
         cfg, given = parse_args(sys.argv[1:] if argv is None else argv, usage=__doc__)
         if cfg.init_from and "model_size" in given:
@@ -358,10 +365,14 @@ def main(argv=None):
             made = None if os.path.isdir(cfg.out_dir) else cfg.out_dir
             lock = take_lock(cfg.out_dir)  # before anything is written there
             remove_partial_writes(cfg.out_dir)
+        started = True
         code = train(cfg, ckpt)
     except ValueError as e:  # bad input: one clear line, exit 2, nothing saved is touched
-        if int(os.environ.get("RANK", 0)) == 0:  # once, not once per DDP rank
+        rank = int(os.environ.get("RANK", 0))
+        if rank == 0:  # once, not once per DDP rank: the flags are the same on every rank
             print(f"error: {e}", file=sys.stderr)
+        elif started or int(os.environ.get("LOCAL_RANK", 0)) == 0:  # what one rank or node alone may meet
+            print(f"error (rank {rank}): {e}", file=sys.stderr)
         sys.exit(2)
     except (Diverged, SaveFailed) as e:
         if int(os.environ.get("RANK", 0)) == 0:
@@ -399,6 +410,9 @@ def train(cfg, ckpt=None):
         "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu")
     if ddp:
         rank, world, local_rank = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+        if sys.platform == "linux":  # a SIGKILLed torchrun leaves its workers training: SIGTERM them (they save)
+            import ctypes
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
         if device == "cuda":
             device = f"cuda:{local_rank}"
             torch.cuda.set_device(device)
@@ -442,7 +456,10 @@ def train(cfg, ckpt=None):
         if not any(os.path.isfile(os.path.join(cfg.out_dir, f)) for f in ("tokenizer.json", "vocab.txt")):
             raise ValueError(f"--resume {cfg.out_dir}: the run's tokenizer.json / vocab.txt are missing")
     if ddp and not master:
-        dist.barrier(group=data_group)
+        try:
+            dist.barrier(group=data_group)
+        except RuntimeError:  # rank 0 exited on bad input: its error line says why
+            raise ValueError("rank 0 stopped while preparing the data (its error line says why)") from None
     tok, train_tokens, val_tokens = data.prepare_data(cfg.data, cfg.cache_dir, tokenizer, cfg.vocab_size,
                                                       cfg.val_fraction)
     if ddp and master:
@@ -631,11 +648,9 @@ def train(cfg, ckpt=None):
     def stopping():
         # under DDP a signal reaches the ranks at different moments: they agree (a tiny gloo all-reduce on
         # the CPU, no GPU sync) so that all stop after the same step; one going on would hang in all-reduce.
-        # Only at log steps, which every rank reaches together, so the loop pays for it rarely
+        # Every step: torchrun kills its workers 30 s after passing on a SIGTERM
         if not ddp:
             return bool(stop)
-        if step % cfg.log_interval:
-            return False
         flag = torch.tensor([len(stop)])
         dist.all_reduce(flag, group=stop_group)
         if flag.item() and not stop:
@@ -668,7 +683,7 @@ def train(cfg, ckpt=None):
                         loss, terms = trainer(batch, rng)
                     scaler.scale(loss / grad_accum).backward()
                 bad |= ~torch.isfinite(loss.detach())
-                for k, v in {"loss": loss.detach(), **terms}.items():  # logged: this rank's mean over the micro-steps
+                for k, v in {"loss": loss.detach(), **terms}.items():  # logged: the mean over micro-steps (and ranks)
                     metrics[k] = metrics.get(k, 0) + v / grad_accum
             if cfg.grad_clip > 0:
                 scaler.unscale_(optimizer)
@@ -683,6 +698,11 @@ def train(cfg, ckpt=None):
             tokens_since_log += cfg.tokens_per_step
 
             if step % cfg.log_interval == 0 or step == cfg.max_steps:
+                if ddp:  # the global batch's mean, not rank 0's share of it
+                    values = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=device)
+                                          for v in metrics.values()])
+                    dist.all_reduce(values)
+                    metrics = dict(zip(metrics, values / world))
                 record = {"step": step, **{k: float(v) for k, v in metrics.items()}, "lr": lr}
                 check_finite(metrics)
                 dt, t_log = time.time() - t_log, time.time()
@@ -710,8 +730,8 @@ def train(cfg, ckpt=None):
                 save_checkpoint(metrics, collective=False)
             if master:
                 print(f"{name}: stopped after step {step}; " + (
-                      f"{cfg.out_dir}/ckpt.pt holds step {saved_step}: python train.py --resume {cfg.out_dir} "
-                      f"continues" if saved_step else "no step was done, nothing was saved"), flush=True)
+                      f"{cfg.out_dir}/ckpt.pt holds step {saved_step}: {'torchrun ... ' if ddp else 'python '}"
+                      f"train.py --resume {cfg.out_dir} continues" if saved_step else "no step was done, nothing was saved"), flush=True)
             return 128 + stop[0]
     except KeyboardInterrupt:  # a second signal, mid-step: the last checkpoint stands
         if master:
