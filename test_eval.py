@@ -667,10 +667,16 @@ def test_a_stopped_run_keeps_the_tasks_it_finished(tmp_path, tiny_model_dir, mon
 
 
 def test_an_unwritable_model_directory_is_refused_before_fine_tuning(tmp_path, tiny_model_dir, capsys, monkeypatch):
-    # the default --out is the model's directory; read-only (root ignores modes, so os.access says it), GLUE
-    # used to fine-tune every task and then fail on glue.json
-    real_access = os.access
-    monkeypatch.setattr(os, "access", lambda p, mode: not os.path.samefile(p, tiny_model_dir) and real_access(p, mode))
+    # the default --out is the model's directory; read-only (root ignores modes, so a failing write stands in),
+    # GLUE used to fine-tune every task and then fail on glue.json
+    import config
+    real_mkstemp = config.tempfile.mkstemp
+
+    def mkstemp(dir, **kw):
+        if os.path.samefile(dir, tiny_model_dir):
+            raise PermissionError(13, "Permission denied", dir)
+        return real_mkstemp(dir=dir, **kw)
+    monkeypatch.setattr(config.tempfile, "mkstemp", mkstemp)
     monkeypatch.setattr(ev, "finetune", lambda *a, **k: pytest.fail("fine-tuned before the check"))
     err = run_main_error(["--model", str(tiny_model_dir), "--glue_dir", str(write_glue(tmp_path / "glue")),
                           "--tasks", "rte"], capsys)
