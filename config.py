@@ -265,9 +265,9 @@ def validate(cfg):
              f"this machine has {torch.cuda.device_count()} CUDA device(s)")
     need(cfg.device != "mps" or torch.backends.mps.is_available(), "device", "MPS is not available on this machine")
     if "LOCAL_RANK" in os.environ and cfg.device in ("auto", "cuda") and torch.cuda.is_available():
-        need(int(os.environ["LOCAL_RANK"]) < torch.cuda.device_count(), "device", f"torchrun started local process "
-             f"{os.environ['LOCAL_RANK']}, this machine has {torch.cuda.device_count()} CUDA device(s): "
-             "--nproc_per_node must be at most that")
+        if int(os.environ["LOCAL_RANK"]) >= torch.cuda.device_count():  # only the surplus ranks see it
+            raise RankError(f"--device {cfg.device}: torchrun started local process {os.environ['LOCAL_RANK']}, this "
+                            f"machine has {torch.cuda.device_count()} CUDA device(s): --nproc_per_node must be at most that")
     for name in ("out_dir", "cache_dir"):
         need(dir_problem(getattr(cfg, name)) is None, name, dir_problem(getattr(cfg, name)))
     need(not cfg.init_from or os.path.exists(cfg.init_from), "init_from", "no such file or directory")
@@ -290,6 +290,11 @@ class Parser(argparse.ArgumentParser):
 def init_dir(init_from):
     """The directory of --init_from: itself, or a ckpt.pt's folder (where its tokenizer is)."""
     return init_from if os.path.isdir(init_from) else os.path.dirname(init_from) or "."
+
+
+class RankError(ValueError):
+    """Bad input that some DDP ranks meet and others do not (a surplus GPU rank, a failed data barrier):
+    train.py prints it on every rank that meets it, other errors on rank 0 only."""
 
 
 def dir_problem(path):

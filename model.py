@@ -220,7 +220,8 @@ class Bert(nn.Module):
         try:
             with open(cfg_path) as f:
                 hf = json.load(f)
-            config = config_from_hf(hf, vocab=_read_vocab(path))
+            ids = ("unk_token_id", "cls_token_id", "sep_token_id", "mask_token_id")
+            config = config_from_hf(hf, vocab=None if all(k in hf for k in ids) else _read_vocab(path))
         except KeyError as e:
             raise ValueError(f"{cfg_path}: not a valid BERT config (no {e} key)") from None
         except ValueError as e:  # not JSON, not UTF-8, or a value BertConfig refuses
@@ -248,7 +249,7 @@ class Bert(nn.Module):
                 if tied[key] in state and not torch.equal(state[key], state[tied[key]]):  # this model ties them
                     raise ValueError(f"{source}: {key} differs from {tied[key]}: an untied MLM decoder, which this "
                                      f"BERT cannot hold (its decoder is the word embeddings)")
-            elif not (key.startswith(("bert.pooler.", "cls.seq_relationship.", "classifier."))
+            elif not (key.startswith(("bert.pooler.", "cls.seq_relationship.", "classifier.", "qa_outputs."))
                       or key.endswith(("position_ids", "token_type_ids"))):  # NSP and task heads are not used
                 raise ValueError(f"{source}: unexpected weight {key} (not a BERT of this config's shape?)")
         for ours, theirs in names.items():
@@ -408,8 +409,11 @@ def _read_weights(path):
             if os.path.isfile(file):
                 return load(file)
             if os.path.isfile(index):  # a sharded checkpoint (save_pretrained's max_shard_size)
-                with open(index, encoding="utf-8") as f:
-                    shards = sorted(set(json.load(f)["weight_map"].values()))
+                try:
+                    with open(index, encoding="utf-8") as f:
+                        shards = sorted(set(json.load(f)["weight_map"].values()))
+                except (ValueError, KeyError, TypeError, AttributeError) as e:
+                    raise ValueError(f"{index}: not a shard index ({type(e).__name__}: {_last_line(e)})") from None
                 return {k: v for shard in shards for k, v in load(os.path.join(path, shard)).items()}
         except ValueError:
             raise
@@ -466,6 +470,8 @@ def _load_project_checkpoint(path):
         model.load_state_dict(ckpt["model"])
     except RuntimeError as e:
         raise ValueError(f"{path}: weights do not match the model config ({' '.join(str(e).split())[:300]})") from None
+    run = ckpt.get("config")
+    model.fresh_head = isinstance(run, dict) and run.get("objective") in ("electra", "cocolm")  # head never trained
     return model
 
 

@@ -240,11 +240,22 @@ def test_hf_checkpoints_this_bert_cannot_hold_are_refused(tmp_path):
     json.dump({**config, "num_hidden_layers": 2}, open(os.path.join(deeper, "config.json"), "w"))
     with pytest.raises(ValueError, match="unexpected weight bert.encoder.layer.2"):
         Bert.from_pretrained(deeper)
-    # what HF ties or this model has no use for still loads: a tied decoder in a .bin, NSP, a task head
-    tied = transformers.BertForPreTraining(cfg())
-    tied.save_pretrained(str(tmp_path / "tied_bin"), safe_serialization=False)
-    Bert.from_pretrained(str(tmp_path / "tied_bin"))
-    Bert.from_pretrained(save_hf(transformers.BertForSequenceClassification(cfg()), str(tmp_path / "cls")))
+    # what HF ties or this model has no use for still loads: a tied decoder in a transformers 4 .bin (which
+    # save_pretrained 5 no longer writes: built by hand), a position_ids buffer, NSP, task heads
+    hf = transformers.BertForPreTraining(cfg())
+    state = {**hf.state_dict(), "bert.embeddings.position_ids": torch.arange(40)[None]}
+    state["cls.predictions.decoder.weight"] = state["bert.embeddings.word_embeddings.weight"]
+    state["cls.predictions.decoder.bias"] = state["cls.predictions.bias"]
+    (tmp_path / "tied_bin").mkdir()
+    torch.save(state, str(tmp_path / "tied_bin" / "pytorch_model.bin"))
+    hf.config.to_json_file(str(tmp_path / "tied_bin" / "config.json"))
+    assert Bert.from_pretrained(str(tmp_path / "tied_bin")).pooler is not None
+    state["cls.predictions.decoder.bias"] = state["cls.predictions.bias"] + 1
+    torch.save(state, str(tmp_path / "tied_bin" / "pytorch_model.bin"))
+    with pytest.raises(ValueError, match="decoder.bias differs"):
+        Bert.from_pretrained(str(tmp_path / "tied_bin"))
+    for head in (transformers.BertForSequenceClassification, transformers.BertForQuestionAnswering):
+        Bert.from_pretrained(save_hf(head(cfg()), str(tmp_path / head.__name__)))
 
 
 def test_sharded_checkpoint_and_special_ids_from_tokenizer_json(tmp_path):
@@ -261,6 +272,15 @@ def test_sharded_checkpoint_and_special_ids_from_tokenizer_json(tmp_path):
     (tmp_path / "tokenizer.json").write_text(json.dumps({"model": {"type": "WordPiece", "vocab": vocab}}))
     config = Bert.from_pretrained(str(tmp_path)).config
     assert (config.unk_token_id, config.cls_token_id, config.sep_token_id, config.mask_token_id) == (50, 51, 52, 53)
+    (tmp_path / "model.safetensors.index.json").write_text("{not json")
+    with pytest.raises(ValueError, match="model.safetensors.index.json: not a shard index"):
+        Bert.from_pretrained(str(tmp_path))
+
+
+def test_an_export_with_its_ids_in_config_json_does_not_read_the_tokenizer(tmp_path):
+    Bert(BertConfig(**TINY)).save_pretrained(str(tmp_path))
+    (tmp_path / "vocab.txt").write_bytes(b"\xff\xfe")  # damaged, and not needed: config.json holds every id
+    assert Bert.from_pretrained(str(tmp_path)).config.cls_token_id == BertConfig.cls_token_id
 
 
 def test_pickled_files_are_refused_on_a_torch_without_safe_loading(tmp_path, monkeypatch):
@@ -269,3 +289,12 @@ def test_pickled_files_are_refused_on_a_torch_without_safe_loading(tmp_path, mon
     monkeypatch.setattr(torch, "__version__", "2.5.1")  # weights_only=True can be bypassed before 2.6
     with pytest.raises(ValueError, match="cannot load a pickled file safely; use torch >= 2.6"):
         model.load_checkpoint_file(str(tmp_path / "ckpt.pt"))
+
+
+def test_a_detector_run_checkpoint_says_its_mlm_head_is_untrained(tmp_path):
+    from dataclasses import asdict
+    model = Bert(BertConfig(**TINY))
+    for objective, fresh in (("electra", True), ("cocolm", True), ("mlm", False)):
+        torch.save(dict(model=model.state_dict(), model_config=asdict(model.config), config={"objective": objective}),
+                   str(tmp_path / "ckpt.pt"))
+        assert Bert.from_pretrained(str(tmp_path / "ckpt.pt")).fresh_head is fresh, objective

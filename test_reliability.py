@@ -109,10 +109,16 @@ def test_more_torchrun_processes_than_gpus_is_one_error_line(corpus, cache, tmp_
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("RANK", "1")  # only the surplus rank meets it, so that rank says it (rank 0 trains on)
     code, out, err = run_main(flags(corpus, cache, tmp_path / "run"), capsys)
     assert code == 2
-    one_error(err, "--device", "local process 1", "1 CUDA device(s)", "--nproc_per_node")
+    assert err.startswith("error (rank 1): ") and len(err.strip().splitlines()) == 1, err
+    for needle in ("--device", "local process 1", "1 CUDA device(s)", "--nproc_per_node"):
+        assert needle in err
     assert not (tmp_path / "run").exists()
+    monkeypatch.setenv("LOCAL_RANK", "2")  # flags every rank shares: rank 0 alone says what is wrong
+    code, out, err = run_main(flags(corpus, cache, tmp_path / "run") + ["--objective", "bogus"], capsys)
+    assert code == 2 and err == ""
 
 
 def test_a_missing_data_path_leaves_no_run_directory(cache, tmp_path, capsys):

@@ -29,7 +29,7 @@ import torch.nn as nn
 from safetensors import SafetensorError
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from config import init_dir, parse_args, resume_config, saved_config, validate
+from config import RankError, init_dir, parse_args, resume_config, saved_config, validate
 from losses import LOSSES, generator_config
 from model import Bert, BertConfig, MODEL_PRESETS, write_atomic
 
@@ -87,7 +87,7 @@ def micro_batching(cfg, world):
                                                  cfg.taco_negatives > (pool - 1) * cfg.seq_len):
         raise ValueError(f"{world} process(es) leave {batch_size} sequence(s) per process and micro-step (a pool of "
                          f"{pool}): {cfg.objective} needs a pool of >= 2 and, for TACO, taco_negatives <= (pool - 1) "
-                         f"x seq_len; raise --tokens_per_step or set --negative_pool")
+                         f"x seq_len; raise --tokens_per_step, use fewer processes, or lower --taco_negatives")
     micro_tokens = batch_size * cfg.seq_len * world
     if cfg.tokens_per_step % micro_tokens:
         raise ValueError(f"tokens_per_step {cfg.tokens_per_step} is not a multiple of batch_size {batch_size} "
@@ -369,10 +369,10 @@ def main(argv=None):
         code = train(cfg, ckpt)
     except ValueError as e:  # bad input: one clear line, exit 2, nothing saved is touched
         rank = int(os.environ.get("RANK", 0))
-        if rank == 0:  # once, not once per DDP rank: the flags are the same on every rank
-            print(f"error: {e}", file=sys.stderr)
-        elif started or int(os.environ.get("LOCAL_RANK", 0)) == 0:  # what one rank or node alone may meet
-            print(f"error (rank {rank}): {e}", file=sys.stderr)
+        if rank == 0:  # once, not once per DDP rank: most bad input is the same on every rank
+            sys.stderr.write(f"error: {e}\n")
+        elif isinstance(e, RankError) or not started and int(os.environ.get("LOCAL_RANK", 0)) == 0:
+            sys.stderr.write(f"error (rank {rank}): {e}\n")  # its own GPU; another node's disk (before training)
         sys.exit(2)
     except (Diverged, SaveFailed) as e:
         if int(os.environ.get("RANK", 0)) == 0:
@@ -438,7 +438,8 @@ def train(cfg, ckpt=None):
                                  "a hub name (e.g. bert-base-uncased)")
             cfg.tokenizer = weights_dir  # the vocabulary the weights were trained with
         if init_model.fresh_head and master and cfg.objective in ("mlm", "taco", "tacl"):
-            print(f"note: {cfg.init_from} has no MLM head (a BertModel): the head starts from a fresh init")
+            print(f"note: {cfg.init_from} has no trained MLM head (a BertModel, or an ELECTRA / COCO-LM run): "
+                  f"the head starts untrained")
     max_pos = init_model.config.max_position_embeddings if init_model else 512
     if cfg.seq_len > max_pos:
         raise ValueError(f"seq_len {cfg.seq_len} exceeds the model's max_position_embeddings {max_pos}")
@@ -458,8 +459,9 @@ def train(cfg, ckpt=None):
     if ddp and not master:
         try:
             dist.barrier(group=data_group)
-        except RuntimeError:  # rank 0 exited on bad input: its error line says why
-            raise ValueError("rank 0 stopped while preparing the data (its error line says why)") from None
+        except RuntimeError:  # rank 0 exited on bad input (its error line says why), or took over DATA_TIMEOUT
+            raise RankError(f"rank 0 stopped while preparing the data (its error line says why), or took over "
+                            f"{DATA_TIMEOUT}") from None
     tok, train_tokens, val_tokens = data.prepare_data(cfg.data, cfg.cache_dir, tokenizer, cfg.vocab_size,
                                                       cfg.val_fraction)
     if ddp and master:
