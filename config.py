@@ -293,8 +293,8 @@ def init_dir(init_from):
 
 
 class RankError(ValueError):
-    """Bad input that some DDP ranks meet and others do not (a surplus GPU rank, a failed data barrier):
-    train.py prints it on every rank that meets it, other errors on rank 0 only."""
+    """Bad input that one DDP rank meets and the others do not (a surplus GPU rank): train.py prints it on
+    every rank that meets it; other errors on rank 0 and on each other node's first process."""
 
 
 def dir_problem(path):

@@ -119,6 +119,9 @@ def test_more_torchrun_processes_than_gpus_is_one_error_line(corpus, cache, tmp_
     monkeypatch.setenv("LOCAL_RANK", "2")  # flags every rank shares: rank 0 alone says what is wrong
     code, out, err = run_main(flags(corpus, cache, tmp_path / "run") + ["--objective", "bogus"], capsys)
     assert code == 2 and err == ""
+    monkeypatch.setenv("LOCAL_RANK", "0")  # another node's first process: its disk may differ, so it says too
+    code, out, err = run_main(flags(corpus, cache, tmp_path / "run") + ["--objective", "bogus"], capsys)
+    assert code == 2 and err.startswith("error (rank 1): --objective 'bogus'")
 
 
 def test_a_missing_data_path_leaves_no_run_directory(cache, tmp_path, capsys):

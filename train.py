@@ -351,7 +351,6 @@ def evaluate(model, objective, val_loader, cfg, device, autocast):
 
 def main(argv=None):
     lock = made = None
-    started = False
     try:
         cfg, given = parse_args(sys.argv[1:] if argv is None else argv, usage=__doc__)
         if cfg.init_from and "model_size" in given:
@@ -365,14 +364,13 @@ def main(argv=None):
             made = None if os.path.isdir(cfg.out_dir) else cfg.out_dir
             lock = take_lock(cfg.out_dir)  # before anything is written there
             remove_partial_writes(cfg.out_dir)
-        started = True
         code = train(cfg, ckpt)
     except ValueError as e:  # bad input: one clear line, exit 2, nothing saved is touched
         rank = int(os.environ.get("RANK", 0))
         if rank == 0:  # once, not once per DDP rank: most bad input is the same on every rank
             sys.stderr.write(f"error: {e}\n")
-        elif isinstance(e, RankError) or not started and int(os.environ.get("LOCAL_RANK", 0)) == 0:
-            sys.stderr.write(f"error (rank {rank}): {e}\n")  # its own GPU; another node's disk (before training)
+        elif isinstance(e, RankError) or int(os.environ.get("LOCAL_RANK", 0)) == 0:
+            sys.stderr.write(f"error (rank {rank}): {e}\n")  # its own GPU; another node's disk
         sys.exit(2)
     except (Diverged, SaveFailed) as e:
         if int(os.environ.get("RANK", 0)) == 0:
@@ -438,8 +436,8 @@ def train(cfg, ckpt=None):
                                  "a hub name (e.g. bert-base-uncased)")
             cfg.tokenizer = weights_dir  # the vocabulary the weights were trained with
         if init_model.fresh_head and master and cfg.objective in ("mlm", "taco", "tacl"):
-            print(f"note: {cfg.init_from} has no trained MLM head (a BertModel, or an ELECTRA / COCO-LM run): "
-                  f"the head starts untrained")
+            print(f"note: {cfg.init_from} has no MLM head that its run trained (a BertModel, or an ELECTRA / COCO-LM "
+                  f"run): the head starts untrained or stale")
     max_pos = init_model.config.max_position_embeddings if init_model else 512
     if cfg.seq_len > max_pos:
         raise ValueError(f"seq_len {cfg.seq_len} exceeds the model's max_position_embeddings {max_pos}")
@@ -460,8 +458,8 @@ def train(cfg, ckpt=None):
         try:
             dist.barrier(group=data_group)
         except RuntimeError:  # rank 0 exited on bad input (its error line says why), or took over DATA_TIMEOUT
-            raise RankError(f"rank 0 stopped while preparing the data (its error line says why), or took over "
-                            f"{DATA_TIMEOUT}") from None
+            raise ValueError(f"rank 0 stopped while preparing the data (its error line says why), or took over "
+                             f"{DATA_TIMEOUT}") from None  # said once per node (LOCAL_RANK 0), not once per rank
     tok, train_tokens, val_tokens = data.prepare_data(cfg.data, cfg.cache_dir, tokenizer, cfg.vocab_size,
                                                       cfg.val_fraction)
     if ddp and master:
