@@ -269,7 +269,8 @@ def validate(cfg):
             raise RankError(f"--device {cfg.device}: torchrun started local process {os.environ['LOCAL_RANK']}, this "
                             f"machine has {torch.cuda.device_count()} CUDA device(s): --nproc_per_node must be at most that")
     for name in ("out_dir", "cache_dir"):
-        need(dir_problem(getattr(cfg, name)) is None, name, dir_problem(getattr(cfg, name)))
+        problem = dir_problem(getattr(cfg, name))  # once: it writes a probe file
+        need(problem is None, name, problem)
     need(not cfg.init_from or os.path.exists(cfg.init_from), "init_from", "no such file or directory")
     if cfg.init_from and os.path.realpath(init_dir(cfg.init_from)) == os.path.realpath(cfg.out_dir):
         raise ValueError(f"--out_dir {cfg.out_dir} is where --init_from {cfg.init_from} is: the run would overwrite "

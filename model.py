@@ -169,7 +169,7 @@ class Bert(nn.Module):
         self.encoder = Encoder(config)
         self.head = MLMHead(config)
         self.pooler = None  # only kept when a loaded checkpoint has one (eval.py adds a fresh one)
-        self.fresh_head = False  # from_pretrained: the checkpoint had no MLM head, so this one is a fresh init
+        self.fresh_head = False  # from_pretrained: the checkpoint holds no MLM head its run trained
         self.apply(self._init_weights)
 
     @staticmethod
