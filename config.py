@@ -219,6 +219,20 @@ RANGES = dict(mask_prob=(0, 1, False, False), dropout=(0, 1, True, False), beta2
               cocolm_crop_fraction=(0, 1, False, True), val_fraction=(0, 0.5, False, True))
 
 
+def pool_problem(cfg, pool):
+    """(flag, why) when `pool` sequences cannot be TACO's or COCO-LM's negative pool, else None. validate()
+    asks it of the flags, train.micro_batching of what each process gets once the world size caps the batch."""
+    if cfg.objective not in ("taco", "cocolm"):
+        return None
+    if pool < 2:
+        return "batch_size", ("TACO and COCO-LM's SCL draw negatives from the other sequences of their pool: they "
+                              f"need a pool (negative_pool, else batch_size) of >= 2 sequences, not {pool}")
+    candidates = (pool - 1) * cfg.seq_len  # tokens in the other rows of a pool
+    if cfg.objective == "taco" and cfg.taco_negatives > candidates:
+        return "taco_negatives", (f"must be <= {candidates:,}, the tokens of the other rows of a pool of {pool} "
+                                  "((pool - 1) x seq_len): more would only repeat them, at B x T x K memory (paper: 50)")
+    return None
+
 def validate(cfg):
     """Every flag checked once, before anything is loaded or written: a violation is a ValueError
     naming the flag, its value and what is allowed (main() prints it as one `error:` line, exit 2)."""
@@ -245,13 +259,8 @@ def validate(cfg):
     need(cfg.seed < 2 ** 64, "seed", "must be < 2**64 (torch seeds are unsigned 64-bit integers)")
     need(cfg.data.strip(), "data", "must name a file, a directory, a glob or a hub dataset")
     need(cfg.warmup_steps <= cfg.max_steps, "warmup_steps", f"must be <= --max_steps {cfg.max_steps}")
-    need(cfg.objective not in ("taco", "cocolm") or (cfg.negative_pool or cfg.batch_size) >= 2, "batch_size",
-         "TACO and COCO-LM's SCL draw negatives from the other sequences of their pool: they need batch_size (or "
-         "negative_pool) >= 2")
-    candidates = ((cfg.negative_pool or cfg.batch_size) - 1) * cfg.seq_len  # tokens in the other rows of a pool
-    need(cfg.objective != "taco" or cfg.taco_negatives <= candidates, "taco_negatives",
-         f"must be <= {candidates:,}, the tokens of the other rows of its pool ((negative_pool or batch_size) - 1) x "
-         "seq_len: more would only repeat them, at B x T x K memory (paper: 50)")
+    problem = pool_problem(cfg, cfg.negative_pool or cfg.batch_size)
+    need(not problem, *(problem or ("", "")))
     need(cfg.objective != "tacl" or cfg.init_from or cfg.resume, "init_from",
          "TaCL continues a trained model: pass --init_from a run dir or a Hugging Face BERT dir "
          "(e.g. first python train.py --objective mlm --out_dir out/mlm, then --init_from out/mlm)")

@@ -96,9 +96,9 @@ def test_micro_batching_keeps_the_global_batch():
         train.micro_batching(base, 32)  # 40 sequences per process: no whole pool of 80
     # the smoke flags on 16 processes leave 1 sequence each: COCO-LM's NT-Xent would have no negative (loss 0)
     smoke = config.TrainConfig(objective="cocolm")
-    with pytest.raises(ValueError, match="16 process.*1 sequence.*a pool of >= 2"):
+    with pytest.raises(ValueError, match="16 process.*1 sequence.*pool.* of >= 2 sequences, not 1"):
         train.micro_batching(smoke, 16)
-    with pytest.raises(ValueError, match="taco_negatives <= "):  # 2 sequences of 32: 32 candidates for 50
+    with pytest.raises(ValueError, match="--taco_negatives 50: must be <= 32,.*lower --taco_negatives"):  # 2 sequences of 32: 32 candidates for 50
         train.micro_batching(config.TrainConfig(objective="taco", seq_len=32, tokens_per_step=128), 2)
 
 

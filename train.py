@@ -29,7 +29,7 @@ import torch.nn as nn
 from safetensors import SafetensorError
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from config import RankError, init_dir, parse_args, resume_config, saved_config, validate
+from config import RankError, init_dir, parse_args, pool_problem, resume_config, saved_config, validate
 from losses import LOSSES, generator_config
 from model import Bert, BertConfig, MODEL_PRESETS, write_atomic
 
@@ -82,12 +82,12 @@ def micro_batching(cfg, world):
             raise ValueError(f"--negative_pool {cfg.negative_pool} needs that many sequences per process and "
                              f"micro-step; --batch_size {cfg.batch_size} with {world} process(es) allows "
                              f"{min(cfg.batch_size, cfg.tokens_per_step // (cfg.seq_len * world))}")
-    pool = cfg.negative_pool or batch_size  # validate() checked the flags; this is what each process gets
-    if cfg.objective in ("taco", "cocolm") and (pool < 2 or cfg.objective == "taco" and
-                                                 cfg.taco_negatives > (pool - 1) * cfg.seq_len):
-        raise ValueError(f"{world} process(es) leave {batch_size} sequence(s) per process and micro-step (a pool of "
-                         f"{pool}): {cfg.objective} needs a pool of >= 2 and, for TACO, taco_negatives <= (pool - 1) "
-                         f"x seq_len; raise --tokens_per_step, use fewer processes, or lower --taco_negatives")
+    problem = pool_problem(cfg, cfg.negative_pool or batch_size)  # what each process gets
+    if problem:
+        name, why = problem
+        raise ValueError(f"{world} process(es) leave {batch_size} sequence(s) per process and micro-step; --{name} "
+                         f"{getattr(cfg, name)}: {why}; raise --tokens_per_step or use fewer processes"
+                         + (", or lower --taco_negatives" if name == "taco_negatives" else ""))
     micro_tokens = batch_size * cfg.seq_len * world
     if cfg.tokens_per_step % micro_tokens:
         raise ValueError(f"tokens_per_step {cfg.tokens_per_step} is not a multiple of batch_size {batch_size} "
