@@ -6,12 +6,15 @@ results.md, results.json and plots.
 
     python reproduce.py --scale toy  --data corpus.txt --glue_dir GLUE --out_dir out/repro_toy   # CPU, ~1 min
     python reproduce.py --scale mini --data WIKI_DIR   --glue_dir GLUE --out_dir out/repro_mini  # one GPU, ~25 min
-    python reproduce.py --scale mini ... --only mlm,taco,tacl,mlm_cont                          # some runs, every stage
-    python reproduce.py --scale mini ... --only glue,analysis,report                            # some stages, every run
+    python reproduce.py --scale mini ... --only mlm,taco,tacl,mlm_cont   # these runs' training and GLUE; then
+                                                                         # the analysis and report of every run
+    python reproduce.py --scale mini ... --only glue,analysis,report     # some stages, every run
 
 Every step is a subprocess (`python train.py ...`, `python eval.py ...`), and every stage is
 skipped when its outputs are already there (a killed pretraining run is resumed), so a long
-reproduction can be split over several calls and rerun safely. Runs, in out_dir/:
+reproduction can be split over several calls and rerun safely. GLUE, the analyses and the
+continuations read a run's final export only: each records the training step it read, and a
+result made from another step counts as not done. Runs, in out_dir/:
 
     mlm, taco, cocolm, electra   pretrained from scratch, --steps steps each
     tacl, mlm_cont               continued from mlm for --extra_steps: TaCL, and MLM as its control
@@ -20,9 +23,11 @@ Stages (--only takes stage names and/or run names): pretrain, continue, glue, an
 What the scales mean is in SCALES below, with the reasons for the numbers.
 """
 import argparse
+import glob
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -48,10 +53,11 @@ SCALES = {
         # one thread: a tiny model gains nothing from more, and on a busy CPU torch's thread pool made a
         # 20-step toy run take 25 s of CPU instead of 3.5 (measured)
         env={"OMP_NUM_THREADS": "1"}),
-    # A 2-core CPU, about an hour: the smoke model (2 x 128) for 5,000 steps of 2,048 tokens (10M) on real
-    # text (pass --data, e.g. a Wikipedia shard: the bundled sample is 0.3M tokens), TaCL and its control
-    # for 1,000 more, GLUE as mini. Every objective end to end on real data; at this size the detectors
-    # do not beat their trivial baseline (README) and GLUE differences are mostly noise.
+    # A 2-core CPU, about 2 hours (114 minutes measured, README): the smoke model (2 x 128) for 5,000 steps
+    # of 2,048 tokens (10M) on real text (pass --data, e.g. a Wikipedia shard: the bundled sample is 0.3M
+    # tokens), TaCL and its control for 1,000 more, GLUE as mini. Every objective end to end on real data;
+    # at this size the detectors do not beat their trivial baseline (README) and GLUE differences are mostly
+    # noise.
     "cpu": dict(
         train=["--preset", "smoke", "--log_interval", "100", "--eval_interval", "500", "--eval_batches", "8",
                "--ckpt_interval", "1000"],
@@ -79,6 +85,10 @@ SCALES = {
 # the number each GLUE task is reported by (TACO's Avg uses these), then the other metrics
 PRIMARY = {"cola": "mcc", "sst2": "acc", "mrpc": "f1", "stsb": "spearman", "rte": "acc", "qnli": "acc",
            "qqp": "f1", "mnli": "acc_m", "wnli": "acc"}
+METRIC_NAMES = {"mcc": "MCC", "acc": "accuracy", "f1": "F1", "spearman": "Spearman", "acc_m": "matched accuracy"}
+# each task's folder of TSVs in --glue_dir (eval.py's Task.dir; test_reproduce.py checks they agree)
+GLUE_DIRS = {"cola": "CoLA", "sst2": "SST-2", "mrpc": "MRPC", "stsb": "STS-B", "rte": "RTE", "qnli": "QNLI",
+             "qqp": "QQP", "mnli": "MNLI", "wnli": "WNLI"}
 # the held-out metric that shows each objective learning on its own terms, and what it beats
 OWN_METRIC = {"mlm": "val_mlm_acc", "taco": "val_tc_loss", "tacl": "val_tacl_acc", "mlm_cont": "val_mlm_acc",
               "cocolm": "val_copy_loss", "electra": "val_disc_loss"}
@@ -153,33 +163,67 @@ def read_json(path):
     return obj if isinstance(obj, dict) else None
 
 
+def export_step(run_dir):
+    """The training step of a run's export (config.json: what GLUE, the analyses and --init_from read), or
+    None. train.py rewrites the export at each checkpoint, so every result made from it records this step."""
+    step = (read_json(os.path.join(run_dir, "config.json")) or {}).get("training_step")
+    return step if type(step) is int else None
+
+
 def run_finished(run_dir, steps):
-    """A pretraining run is done when its export (what GLUE, the analyses and --init_from read) holds its
-    last step and ckpt.pt exists. Not the log: train.py logs the last evaluation before it saves, and a
-    kill in between leaves the weights of the checkpoint before (config.json is written after the weights)."""
-    exported = (read_json(os.path.join(run_dir, "config.json")) or {}).get("training_step")
-    return os.path.isfile(os.path.join(run_dir, "ckpt.pt")) and type(exported) is int and exported >= steps
+    """A pretraining run is done when its export holds its last step and ckpt.pt exists. Not the log:
+    train.py logs the last evaluation before it saves, and a kill in between leaves the weights of the
+    checkpoint before (config.json is written after the weights)."""
+    step = export_step(run_dir)
+    return os.path.isfile(os.path.join(run_dir, "ckpt.pt")) and step is not None and step >= steps
 
 
-def glue_done(path, tasks, seeds):
-    report = read_json(path)
-    if not report or not isinstance(report.get("tasks"), dict):
-        return False
-    return [str(s) for s in report.get("seeds", [])] == [str(s) for s in seeds] and all(
-        t in report["tasks"] for t in tasks)
+def steps_of(args, name):
+    return args.steps if name in SCRATCH else args.extra_steps
+
+
+def glue_todo(run_dir, tasks, seeds):
+    """The tasks that glue.json does not hold as scored ("ok") on the run's current export, with these seeds."""
+    report, step = read_json(os.path.join(run_dir, "glue.json")) or {}, export_step(run_dir)
+    done = report.get("tasks") if isinstance(report.get("tasks"), dict) and step is not None and \
+        report.get("seeds") == [int(s) for s in seeds] else {}
+    return [t for t in tasks if not (isinstance(done.get(t), dict) and done[t].get("status") == "ok"
+                                     and done[t].get("training_step") == step)]
+
+
+def glue_absent(glue_dir, task):
+    """The TSVs of `task` that eval.py would not find in glue_dir (its load_task's paths), empty ones too."""
+    stems = ["train"] + (["dev_matched", "dev_mismatched"] if task == "mnli" else ["dev"])
+    paths = [os.path.join(GLUE_DIRS[task], stem + ".tsv") for stem in stems]
+    return [p for p in paths if not os.path.isfile(os.path.join(glue_dir, p)) or
+            not os.path.getsize(os.path.join(glue_dir, p))]
+
+
+def data_problem(data):
+    """Why train.py would refuse a local --data, said before reproduce.json is saved (data.py's rule; not
+    imported: it loads torch). A name that looks like no path ("wikitext:wikitext-103-raw-v1") is the hub's."""
+    path = os.path.expanduser(data)
+    if os.path.exists(path):
+        return "an empty file" if os.path.isfile(path) and not os.path.getsize(path) else None
+    if any(c in data for c in "*?["):
+        return None if any(os.path.isfile(f) for f in glob.glob(path, recursive=True)) else "no files match it"
+    ext = os.path.splitext(re.sub(r"\.(xz|gz|bz2|zst)$", "", data.lower()))[1]
+    local = data.startswith(("/", ".", "~")) or ext in (".txt", ".raw", ".jsonl", ".parquet")
+    return "no such file or directory" if local else None
 
 
 # ---------------------------------------------------------------------------------------------
 # stages
 
 
-def run_cmd(cmd, log_path, dry_run, env=None):
+def run_cmd(cmd, log_path, dry_run, env=None, timed=None):
     """One subprocess, its output teed into log_path; exits with its code if it fails. Ctrl-C and
     SIGTERM are passed on to it (train.py then saves its step) and this process waits for it: dying
-    first would break its output pipe and kill it before it saved."""
+    first would break its output pipe and kill it before it saved. timed=(run_dir, stage): its
+    wall-clock is added to the run's reproduce_time.json, a stopped or failed call's too."""
     print("$ " + " ".join(cmd), flush=True)
     if dry_run:
-        return 0.0
+        return
     t0, stop = time.time(), []
     with open(log_path, "a") as log:
         proc = subprocess.Popen(cmd, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -200,13 +244,14 @@ def run_cmd(cmd, log_path, dry_run, env=None):
         finally:
             for s, handler in handlers.items():
                 signal.signal(s, handler)
+            if timed:
+                note_time(*timed, time.time() - t0)
     if stop:
         print(f"reproduce.py: stopped by {signal.Signals(stop[0]).name} ({cmd[1]} exited {code}); rerun the "
               f"same command to go on", file=sys.stderr)
         sys.exit(128 + stop[0])
     if code:
         sys.exit(f"error: `{' '.join(cmd)}` failed with exit code {code} (output in {log_path})")
-    return time.time() - t0
 
 
 def die_with_parent():
@@ -252,7 +297,9 @@ def note_time(run_dir, stage, seconds):
     save_json(times, path)
 
 
-def pretrain(args, scale, name, objective, steps, extra):
+def pretrain(args, scale, name, objective, steps, extra, start=None):
+    """Train a run to `steps`, resuming a killed one. start: a continuation's record of the mlm export it
+    starts from, saved with a fresh run (reproduce_init.json)."""
     run_dir = os.path.join(args.out_dir, name)
     if run_finished(run_dir, steps):
         print(f"[{name}] pretrained already ({run_dir})")
@@ -260,11 +307,10 @@ def pretrain(args, scale, name, objective, steps, extra):
     if os.path.isfile(os.path.join(run_dir, "ckpt.pt")):
         cmd = [args.python, "train.py", "--resume", run_dir, "--max_steps", str(steps)]  # a killed run goes on
     else:
-        _, _, evals = read_log(os.path.join(run_dir, "log.jsonl"))
-        if any(e["step"] >= steps for e in evals):  # finished, then its ckpt.pt went: its outputs stay
+        if (export_step(run_dir) or 0) >= steps:  # finished, then its ckpt.pt went: its outputs stay
             sys.exit(f"error: {run_dir} finished its {steps} steps but its ckpt.pt is gone: put it back, or delete "
                      f"the directory to pretrain {name} again")
-        if os.path.isdir(run_dir) and not args.dry_run:  # killed before its first ckpt.pt: nothing to resume
+        if os.path.isdir(run_dir) and not args.dry_run:  # killed before its first (or last) save: nothing to keep
             if os.path.isfile(os.path.join(run_dir, ".lock")):
                 lock = try_lock(os.path.join(run_dir, ".lock"))
                 if lock is None:
@@ -277,42 +323,104 @@ def pretrain(args, scale, name, objective, steps, extra):
                "--out_dir", run_dir, *extra]
         if args.data:
             cmd += ["--data", args.data]
+        if start and not args.dry_run:
+            os.makedirs(run_dir, exist_ok=True)
+            save_json(start, os.path.join(run_dir, "reproduce_init.json"))
     if not args.dry_run:
         os.makedirs(run_dir, exist_ok=True)
-    seconds = run_cmd(cmd, os.path.join(args.out_dir, f"{name}.train.out"), args.dry_run, scale["env"])
-    if not args.dry_run:
-        note_time(run_dir, "pretrain", seconds)
+    run_cmd(cmd, os.path.join(args.out_dir, f"{name}.train.out"), args.dry_run, scale["env"], (run_dir, "pretrain"))
+
+
+def continue_run(args, scale, name):
+    """TaCL or its MLM control from the finished mlm run, on one recipe: fresh optimizer, lr, 10% warm-up."""
+    mlm, run_dir = os.path.join(args.out_dir, "mlm"), os.path.join(args.out_dir, name)
+    if not run_finished(mlm, args.steps) and not args.dry_run:
+        sys.exit(f"error: {name} continues from the mlm run, which has not finished its {args.steps} steps: "
+                 f"pretrain it first (--only pretrain,mlm)")
+    began = (read_json(os.path.join(run_dir, "reproduce_init.json")) or {}).get("mlm_step")
+    if os.path.isfile(os.path.join(run_dir, "ckpt.pt")) and began is not None and began != export_step(mlm):
+        sys.exit(f"error: {run_dir} continued from the mlm run's step {began}, which is now at step "
+                 f"{export_step(mlm)}: delete {run_dir} to continue it again from there")
+    extra = ["--init_from", mlm, "--lr", str(scale["continue_lr"])]
+    pretrain(args, scale, name, CONTINUED[name], args.extra_steps, extra, dict(mlm_step=export_step(mlm)))
 
 
 def glue(args, scale, name):
+    """Fine-tune the tasks not yet scored on the run's final export. eval.py writes into glue.part/, which
+    absorb_glue merges into glue.json task by task, each stamped with the step it scored: a killed call
+    keeps the tasks it finished (eval.py rewrites its glue.json after each)."""
     run_dir = os.path.join(args.out_dir, name)
-    path = os.path.join(run_dir, "glue.json")
-    if glue_done(path, args.tasks.split(","), args.seeds.split(",")):
-        print(f"[{name}] GLUE done already ({path})")
+    if not run_finished(run_dir, steps_of(args, name)) and not args.dry_run:
+        print(f"[{name}] has not finished its {steps_of(args, name)} steps: no GLUE yet")
         return
-    if not os.path.isfile(os.path.join(run_dir, "config.json")) and not args.dry_run:
-        print(f"[{name}] not pretrained: no GLUE")
+    absorb_glue(run_dir)
+    todo = glue_todo(run_dir, args.tasks.split(","), args.seeds.split(","))
+    if not todo:
+        print(f"[{name}] GLUE done already ({os.path.join(run_dir, 'glue.json')})")
         return
-    cmd = [args.python, "eval.py", "--model", run_dir, "--out", run_dir, "--tasks", args.tasks,
+    absent = [t for t in todo if args.glue_dir and glue_absent(args.glue_dir, t)]
+    if absent:  # not done, and checked again by the next call
+        print(f"[{name}] GLUE: {', '.join(absent)} not in --glue_dir {args.glue_dir}: skipped (the Avg leaves it out)")
+        todo = [t for t in todo if t not in absent]
+        if not todo:
+            return
+    part = os.path.join(run_dir, "glue.part")
+    if not args.dry_run:
+        os.makedirs(part, exist_ok=True)
+        save_json(dict(training_step=export_step(run_dir), glue_dir=args.glue_dir), os.path.join(part, "stamp.json"))
+    cmd = [args.python, "eval.py", "--model", run_dir, "--out", part, "--tasks", ",".join(todo),
            "--seeds", args.seeds, *scale["glue"]]
     if args.glue_dir:
         cmd += ["--glue_dir", args.glue_dir]
-    seconds = run_cmd(cmd, os.path.join(args.out_dir, f"{name}.glue.out"), args.dry_run, scale["env"])
+    run_cmd(cmd, os.path.join(args.out_dir, f"{name}.glue.out"), args.dry_run, scale["env"], (run_dir, "glue"))
     if not args.dry_run:
-        note_time(run_dir, "glue", seconds)
+        absorb_glue(run_dir)
+
+
+def absorb_glue(run_dir):
+    """glue.part/glue.json's tasks into glue.json, stamped with the step glue.part/stamp.json names."""
+    part, path = os.path.join(run_dir, "glue.part"), os.path.join(run_dir, "glue.json")
+    new, stamp = read_json(os.path.join(part, "glue.json")), read_json(os.path.join(part, "stamp.json"))
+    if new and stamp and isinstance(new.get("tasks"), dict):
+        old = read_json(path) or {}
+        tasks = old["tasks"] if isinstance(old.get("tasks"), dict) else {}
+        tasks.update({t: {**r, "training_step": stamp.get("training_step")} for t, r in new["tasks"].items()
+                      if isinstance(r, dict)})
+        # eval.py's averages and lists covered that call's tasks alone: results.md averages the merged ones
+        keep = {k: v for k, v in new.items() if k not in ("avg8", "avg9", "missing", "not_run")}
+        time_s = sum(t for t in (old.get("time_s"), new.get("time_s")) if isinstance(t, (int, float)))
+        save_json({**keep, "tasks": tasks, "time_s": time_s, "glue_dir": stamp.get("glue_dir")}, path)
+    shutil.rmtree(part, ignore_errors=True)  # absorbed, or unusable (no stamp: killed before eval.py began)
 
 
 def analyse(args, scale, runs):
-    out = os.path.join(args.out_dir, "analysis")
-    done = read_json(os.path.join(out, "analysis.json"))
-    if done and set(runs) <= set((done.get("models") or {}).keys()):
+    """eval.py --analysis on every finished run, all in one call (its plots compare them). analysis.json is
+    stamped with each run's export step once the call has succeeded, i.e. after its plots too."""
+    out, path = os.path.join(args.out_dir, "analysis"), os.path.join(args.out_dir, "analysis", "analysis.json")
+    steps = {}
+    for name in runs:
+        if args.dry_run or run_finished(os.path.join(args.out_dir, name), steps_of(args, name)):
+            steps[name] = export_step(os.path.join(args.out_dir, name))
+        elif os.path.isdir(os.path.join(args.out_dir, name)):
+            print(f"[{name}] has not finished its {steps_of(args, name)} steps: not analysed yet")
+    if not steps:
+        return
+    done = read_json(path) or {}
+    stamped = done.get("training_steps") if isinstance(done.get("training_steps"), dict) else {}
+    # STS-B was skipped (no --glue_dir, or no STS-B in it) and is there now: its sentence similarity is due
+    stsb = os.path.join(args.glue_dir, "STS-B", "dev.tsv") if args.glue_dir else None
+    stsb = stsb if stsb and os.path.isfile(stsb) else None
+    stsb_new = not done.get("stsb") and stsb and done.get("stsb_tsv") != stsb
+    if all(step is not None and stamped.get(name) == step for name, step in steps.items()) and not stsb_new:
         print(f"analysis done already ({out})")
         return
-    cmd = [args.python, "eval.py", "--analysis", "--model", *[os.path.join(args.out_dir, r) for r in runs],
+    cmd = [args.python, "eval.py", "--analysis", "--model", *[os.path.join(args.out_dir, r) for r in steps],
            "--out", out, *scale["analysis"]]
     if args.glue_dir:  # STS-B dev pairs for COCO-LM's sentence-similarity analysis
         cmd += ["--glue_dir", args.glue_dir]
     run_cmd(cmd, os.path.join(args.out_dir, "analysis.out"), args.dry_run, scale["env"])
+    if read_json(path) and not args.dry_run:
+        save_json({**read_json(path), "training_steps": steps, "stsb_tsv": stsb}, path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -347,6 +455,9 @@ def collect(args, runs):
         r = dict(objective=config.get("objective"), steps=evals[-1]["step"] if evals else None,
                  tokens_per_step=config.get("tokens_per_step"), init_from=config.get("init_from") or None,
                  provenance=header.get("provenance"))
+        # GLUE and the analysis count only if made from the export at hand, and wait for the run to finish
+        step = r["exported_step"] = export_step(run_dir)
+        r["finished"] = run_finished(run_dir, steps_of(args, name))
         r["train_wall_s"] = wall_clock(train)
         r["tokens_per_s"] = median([t.get("tokens_per_s") for t in train[1:] or train])  # first interval compiles
         r["process_s"] = read_json(os.path.join(run_dir, "reproduce_time.json"))
@@ -366,6 +477,10 @@ def collect(args, runs):
                 continue
             if t.get("status") != "ok":
                 tasks[task] = dict(status=t.get("status"), reason=t.get("reason"))
+                continue
+            if step is None or t.get("training_step") != step:
+                tasks[task] = dict(status="stale", reason=f"scored at step {t.get('training_step')}, the export "
+                                                          f"is at step {step}")
                 continue
             per_seed, collapsed = {}, 0
             if isinstance(t.get("runs"), dict):  # {label: {seed, scores, collapsed}}
@@ -387,10 +502,13 @@ def collect(args, runs):
                         if ok and all(t["per_seed"].get(s) is not None for t in ok)]
         m, s = mean_std(per_seed_avg)
         r["glue"] = dict(tasks=tasks, avg=m, avg_std=s, avg_per_seed=per_seed_avg,
+                         avg_over=[t for t in results["tasks"] if tasks.get(t, {}).get("status") == "ok"],
                          finetune_s=report.get("time_s") or sum(t.get("time_s", 0) for t in
                                                                  (report.get("tasks") or {}).values()))
         # representation statistics from analysis.json (keys read with .get: the format may grow)
-        a = (analysis.get("models") or {}).get(name) or {}
+        stamped = analysis.get("training_steps") if isinstance(analysis.get("training_steps"), dict) else {}
+        a = (analysis.get("models") or {}).get(name) if step is not None and stamped.get(name) == step else None
+        a = a if isinstance(a, dict) else {}
         ctx = a.get("contextual") or {}
         sims = a.get("self_similarity_per_layer")
         sent = a.get("sentence_similarity") or {}
@@ -455,19 +573,25 @@ def plot(results, out_dir):
 def markdown(results, pngs):
     runs = results["runs"]
     tasks = results["tasks"]
+    label = {name: name + " (unfinished)" * (not r.get("finished", True)) for name, r in runs.items()}
+    metrics = ", ".join(f"{GLUE_DIRS[t]} {METRIC_NAMES[PRIMARY[t]]}" for t in tasks)
     lines = [f"# Results: scale {results['scale']}", "",
              f"Data `{results['data'] or 'train.py default'}`, pretraining seed {results['seed']}; GLUE dev sets, "
              f"fine-tuning seeds {', '.join(results['seeds'])}: mean ± standard deviation over seeds "
-             f"(×100; CoLA MCC, STS-B Spearman, MRPC F1, others accuracy). Avg = the mean over these tasks, "
-             f"per seed, then mean ± std. \"c\": some fine-tuning runs predicted one class only "
+             f"(×100; {metrics}). Avg = the mean over these tasks, per seed, then mean ± std; \"(k/n tasks)\": "
+             f"over the k tasks scored only. \"c\": some fine-tuning runs predicted one class only "
              f"(eval.py's \"collapsed\"; results.json counts them).", "",
+             *(["\"(unfinished)\": the run has not reached its steps (the same command goes on); its GLUE and "
+                "analysis wait for it.", ""] if label != {name: name for name in runs} else []),
              "## GLUE", "",
              *table_head("run", "steps", *tasks, "Avg")]
     for name, r in runs.items():
-        g = r["glue"]["tasks"]
+        g, over = r["glue"]["tasks"], r["glue"]["avg_over"]
         cells = [pm(g[t]["mean"], g[t]["std"]) + " c" * bool(g[t].get("collapsed"))
                  if g.get(t, {}).get("status") == "ok" else "–" for t in tasks]
-        lines.append(f"| {name} | {r['steps']} | " + " | ".join(cells) + f" | {pm(r['glue']['avg'], r['glue']['avg_std'])} |")
+        avg = pm(r["glue"]["avg"], r["glue"]["avg_std"]) + \
+            (f" ({len(over)}/{len(tasks)} tasks)" if r["glue"]["avg"] is not None and len(over) < len(tasks) else "")
+        lines.append(f"| {label[name]} | {r['steps']} | " + " | ".join(cells) + f" | {avg} |")
     lines += ["", "## Pretraining: held-out numbers at the last step, and cost", "",
               "MLM loss: the main model's (MLM, TACO, TaCL); ELECTRA and COCO-LM train no MLM head on the main "
               "model, so theirs is the generator's, not comparable. \"Own metric\" is the objective's own "
@@ -487,7 +611,7 @@ def markdown(results, pngs):
             own_cell += f" (trivial {fmt(own['baseline'])})"
         if own.get("auc") is not None:
             own_cell += f", AUC {fmt(own['auc'])}"
-        lines.append(f"| {name} | {r['steps']} | {fmt(f.get('val_mlm_loss'))} | {fmt(f.get('val_gen_loss'))} | "
+        lines.append(f"| {label[name]} | {r['steps']} | {fmt(f.get('val_mlm_loss'))} | {fmt(f.get('val_gen_loss'))} | "
                      f"{own_cell} | {fmt(f.get('contextual_score'))} | {fmt(r['tokens_per_s'], 0)} | "
                      f"{fmt(r['step_time_vs_mlm'], 2)} | {fmt(r['train_wall_s'], 0)} | {fmt(proc.get('pretrain'), 0)} "
                      f"| {fmt(proc.get('glue'), 0)} |")
@@ -498,7 +622,7 @@ def markdown(results, pngs):
                           "mean-pool gap")]
     for name, r in runs.items():
         a = r["analysis"]
-        lines.append(f"| {name} | " + " | ".join(fmt(a[k]) for k in (
+        lines.append(f"| {label[name]} | " + " | ".join(fmt(a[k]) for k in (
             "intra", "inter", "contextual", "l1_ratio", "l2_ratio", "cos_ratio", "isotropy", "self_similarity_last",
             "wordsim_cooc", "wordsim353_spearman", "simlex999_spearman", "cls_gap", "mean_gap")) + " |")
     lines += ["", "Plots: " + ", ".join(f"`{p}`" for p in pngs) + "; the analysis plots are in `analysis/`.", ""]
@@ -531,9 +655,11 @@ class Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def main(argv=None):
+def parse(argv):
+    """The flags, checked (one error line and exit 2 for anything wrong) and resolved into args."""
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--scale", default="toy", choices=list(SCALES), help="toy: CPU, a minute; cpu: CPU, about an hour; mini: one GPU, ~25 min")
+    p.add_argument("--scale", default="toy", choices=list(SCALES),
+                   help="toy: CPU, a minute; cpu: CPU, about 2 hours; mini: one GPU, ~25 min")
     p.add_argument("--objectives", default="mlm,taco,cocolm,electra,tacl",
                    help="comma list from mlm,taco,cocolm,electra,tacl; tacl adds mlm (its start) and mlm_cont")
     p.add_argument("--data", default="", help="pretraining text for train.py --data (default: train.py's)")
@@ -546,28 +672,31 @@ def main(argv=None):
     p.add_argument("--seeds", help="GLUE fine-tuning seeds (default: the scale's)")
     p.add_argument("--seed", type=int, default=1337, help="pretraining seed, the same for every run")
     p.add_argument("--only", default="", help=f"comma list of stages ({','.join(STAGES)}) and/or runs "
-                   f"({','.join(SCRATCH + list(CONTINUED))}); default everything")
-    p.add_argument("--dry_run", action="store_true", help="print the commands, run nothing")
+                   f"({','.join(SCRATCH + list(CONTINUED))}); default everything. Runs narrow pretraining, "
+                   f"continuation and GLUE; the analysis and the report cover every finished run")
+    p.add_argument("--dry_run", action="store_true", help="print the commands, run nothing, write nothing")
     p.add_argument("--python", default=sys.executable, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    scale = SCALES[args.scale]
+    args.p, scale = p, SCALES[args.scale]
     for flag in ("steps", "extra_steps"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             p.error(f"--{flag} {getattr(args, flag)}: must be >= 1")
-    steps = args.steps or scale["steps"]
-    extra_steps = args.extra_steps or scale["extra_steps"]
+    args.steps = args.steps or scale["steps"]
+    args.extra_steps = args.extra_steps or scale["extra_steps"]
     # eval.py's spelling ("STS-B" -> "stsb"), checked here: a bad name must not cost the pretraining first
     args.tasks = ",".join(t.strip().lower().replace("-", "") for t in (args.tasks or scale["tasks"]).split(",")
                           if t.strip())
     unknown = [t for t in args.tasks.split(",") if t not in PRIMARY]
     if unknown or not args.tasks:
         p.error(f"--tasks: unknown GLUE task {(unknown or [''])[0]!r} (choose from {', '.join(PRIMARY)})")
-    args.seeds = args.seeds or scale["seeds"]
-    seeds = args.seeds.split(",")
-    if not all(x.strip().isdigit() for x in seeds) or len(set(seeds)) != len(seeds):
+    seeds = [x.strip() for x in (args.seeds or scale["seeds"]).split(",")]
+    if not all(x.isdigit() for x in seeds) or len({int(x) for x in seeds}) != len(seeds):
         p.error(f"--seeds {args.seeds}: expected distinct comma-separated integers >= 0, e.g. 1,2")
+    args.seeds = ",".join(str(int(x)) for x in seeds)  # as eval.py writes them: "1, 02" is "1,2"
     if args.glue_dir and not os.path.isdir(args.glue_dir):
         p.error(f"--glue_dir {args.glue_dir}: not a directory")
+    if args.data and data_problem(args.data):
+        p.error(f"--data {args.data}: {data_problem(args.data)}")
     if not args.out_dir.strip() or os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
         p.error(f"--out_dir {args.out_dir!r}: must name a directory")
     args.cache_dir = args.cache_dir or os.path.join(args.out_dir, "cache")
@@ -580,67 +709,97 @@ def main(argv=None):
     unknown = [o for o in objectives if o not in SCRATCH + ["tacl"]]
     if unknown:
         p.error(f"unknown objective {unknown[0]!r} (choose from {', '.join(SCRATCH + ['tacl'])})")
-    runs = [o for o in SCRATCH if o in objectives or (o == "mlm" and "tacl" in objectives)]
+    args.runs = [o for o in SCRATCH if o in objectives or (o == "mlm" and "tacl" in objectives)]
     if "tacl" in objectives:
-        runs += list(CONTINUED)
+        args.runs += list(CONTINUED)
     only = [o.strip() for o in args.only.split(",") if o.strip()]
     bad = [o for o in only if o not in STAGES + SCRATCH + list(CONTINUED)]
     if bad:
         p.error(f"--only: unknown stage or run {bad[0]!r}")
-    outside = [o for o in only if o not in STAGES and o not in runs]
+    outside = [o for o in only if o not in STAGES and o not in args.runs]
     if outside:
-        p.error(f"--only {outside[0]}: not one of the runs of --objectives {args.objectives} ({', '.join(runs)})")
-    stages = [s for s in only if s in STAGES] or STAGES
-    selected = [r for r in runs if r in only] or runs
+        p.error(f"--only {outside[0]}: not one of the runs of --objectives {args.objectives} ({', '.join(args.runs)})")
+    args.stages = [s for s in only if s in STAGES] or STAGES
+    args.selected = [r for r in args.runs if r in only] or args.runs
+    return args
+
+
+def check_glue_source(args):
+    """GLUE's data, looked for before any pretraining: the hub must answer, or --glue_dir hold some task."""
+    tasks = args.tasks.split(",")
+    if "glue" not in args.stages or not any(glue_todo(os.path.join(args.out_dir, r), tasks, args.seeds.split(","))
+                                            for r in args.selected):
+        return
+    if args.glue_dir:
+        absent = {t: glue_absent(args.glue_dir, t) for t in tasks}
+        if all(absent.values()):
+            args.p.error(f"--glue_dir {args.glue_dir} holds none of the tasks {args.tasks} (no "
+                         f"{absent[tasks[0]][0]}): pass the folder holding CoLA/, SST-2/, ... (eval.py --glue_dir)")
+        for t in (t for t in tasks if absent[t]):
+            print(f"note: --glue_dir has no {absent[t][0]}: {t} is skipped, and each GLUE Avg is over fewer tasks")
+        return
     offline = any(os.environ.get(v, "") not in ("", "0") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
-    glue_to_do = "glue" in stages and any(not glue_done(os.path.join(args.out_dir, r, "glue.json"),
-                                                        args.tasks.split(","), args.seeds.split(",")) for r in selected)
-    if glue_to_do and not args.glue_dir and not offline and not args.dry_run and not hub_reachable():
-        p.error("huggingface.co is unreachable and no --glue_dir was given: GLUE would fail after the pretraining "
-                "(pass --glue_dir DIR, or set HF_HUB_OFFLINE=1 to read the hub cache)")
-    try:
-        os.makedirs(args.out_dir, exist_ok=True)
-        lock = None if args.dry_run else try_lock(os.path.join(args.out_dir, ".reproduce.lock"))  # held to the end
-    except OSError as e:  # read-only, or .reproduce.lock is not a file
-        p.error(f"--out_dir {args.out_dir}: cannot be written ({e.strerror}: {e.filename})")
-    if lock is None and not args.dry_run:
-        sys.exit(f"error: --out_dir {args.out_dir} is in use by another reproduce.py")
-    # every call on an out_dir must mean the same runs: a skipped stage must not pass off another setting's output
-    settings = dict(scale=args.scale, data=args.data, seed=args.seed, steps=steps, extra_steps=extra_steps,
-                    tasks=args.tasks, seeds=args.seeds)
+    if not offline and not args.dry_run and not hub_reachable():
+        args.p.error("huggingface.co is unreachable and no --glue_dir was given: GLUE would fail after the pretraining "
+                     "(pass --glue_dir DIR, or set HF_HUB_OFFLINE=1 to read the hub cache)")
+
+
+def check_settings(args):
+    """Every call on an out_dir must mean the same runs: a skipped stage must not pass off another setting's
+    output. Settings may change while no run has saved anything (a mistyped --data, say)."""
+    settings = dict(scale=args.scale, data=args.data, seed=args.seed, steps=args.steps,
+                    extra_steps=args.extra_steps, tasks=args.tasks, seeds=args.seeds)
     path = os.path.join(args.out_dir, "reproduce.json")
     before = read_json(path)
     if before is None and os.path.exists(path):  # not a guard to drop: refuse, as for other settings
-        p.error(f"{path} is unreadable or not a JSON object, so the settings of the runs in --out_dir "
-                f"{args.out_dir} are unknown: restore it, or use another --out_dir")
-    if before is None and not args.dry_run:
-        save_json(settings, path)
-    elif before is not None and before != settings:
+        args.p.error(f"{path} is unreadable or not a JSON object, so the settings of the runs in --out_dir "
+                     f"{args.out_dir} are unknown: restore it, or use another --out_dir")
+    if before == settings:
+        return
+    if before is not None:
         changed = ", ".join(f"{k} {before.get(k)!r} -> {v!r}" for k, v in settings.items() if before.get(k) != v)
-        p.error(f"--out_dir {args.out_dir} holds a reproduction made with other settings ({changed}): use another "
-                f"--out_dir, or the same flags")
+        if any(os.path.exists(os.path.join(args.out_dir, r, f)) for r in SCRATCH + list(CONTINUED)
+               for f in ("ckpt.pt", "config.json")):
+            args.p.error(f"--out_dir {args.out_dir} holds a reproduction made with other settings ({changed}): use "
+                         f"another --out_dir, or the same flags")
+        print(f"note: no run in {args.out_dir} has saved a checkpoint yet: new settings ({changed})")
+    if not args.dry_run:
+        save_json(settings, path)
 
-    t0 = time.time()
-    if "pretrain" in stages:
-        for name in selected:
-            if name in SCRATCH:
-                pretrain(args, scale, name, name, steps, [])
-    if "continue" in stages:
-        for name in selected:
-            if name in CONTINUED:
-                if not os.path.isfile(os.path.join(args.out_dir, "mlm", "config.json")) and not args.dry_run:
-                    sys.exit(f"error: {name} continues from the mlm run, which is not there: pretrain it first")
-                # the same continuation recipe for TaCL and its control: fresh optimizer, lr, 10% warm-up (pretrain's)
-                extra = ["--init_from", os.path.join(args.out_dir, "mlm"), "--lr", str(scale["continue_lr"])]
-                pretrain(args, scale, name, CONTINUED[name], extra_steps, extra)
-    if "glue" in stages:
-        for name in selected:
+
+def main(argv=None):
+    try:
+        reproduce(parse(argv))
+    except KeyboardInterrupt:  # between subprocesses (run_cmd passes it to one while it runs): every write is atomic
+        print("reproduce.py: interrupted; rerun the same command to go on", file=sys.stderr)
+        sys.exit(130)
+
+
+def reproduce(args):
+    check_glue_source(args)
+    if not args.dry_run:
+        try:
+            os.makedirs(args.out_dir, exist_ok=True)
+            lock = try_lock(os.path.join(args.out_dir, ".reproduce.lock"))  # held to the end
+        except OSError as e:  # read-only, or .reproduce.lock is not a file
+            args.p.error(f"--out_dir {args.out_dir}: cannot be written ({e.strerror}: {e.filename})")
+        if lock is None:
+            sys.exit(f"error: --out_dir {args.out_dir} is in use by another reproduce.py")
+    check_settings(args)
+    t0, stages, scale = time.time(), args.stages, SCALES[args.scale]
+    for name in args.selected:
+        if "pretrain" in stages and name in SCRATCH:
+            pretrain(args, scale, name, name, args.steps, [])
+    for name in args.selected:
+        if "continue" in stages and name in CONTINUED:
+            continue_run(args, scale, name)
+    for name in args.selected:
+        if "glue" in stages:
             glue(args, scale, name)
-    present = [r for r in runs if os.path.isfile(os.path.join(args.out_dir, r, "config.json"))]
-    if "analysis" in stages and present:
-        analyse(args, scale, present)
+    if "analysis" in stages:
+        analyse(args, scale, args.runs)
     if "report" in stages and not args.dry_run:
-        report(args, runs)
+        report(args, args.runs)
     print(f"reproduce.py: {time.time() - t0:.0f}s")
 
 

@@ -43,6 +43,9 @@ def write_glue(root, rng, rows=40):
                 f.write(f"{i}\tg\tf\t2012\t{i}\ts\ts\t{sentence()}\t{sentence()}\t{rng.uniform(0, 5):.2f}\n")
 
 
+SETTINGS = dict(scale="toy", data="", seed=1337, steps=20, extra_steps=10, tasks="cola,stsb", seeds="1,2")
+
+
 def finite(x):
     return isinstance(x, (int, float)) and math.isfinite(x)
 
@@ -144,9 +147,8 @@ def test_bad_input_is_refused_before_any_work(tmp_path):
     line = reproduce_error(["--out_dir", str(tmp_path / "locked"), "--only", "pretrain"], tmp_path)
     assert "cannot be written (Is a directory" in line
     # an out_dir made with other settings is refused, whatever the stage: its outputs would pass for this one's
-    out.mkdir()
-    (out / "reproduce.json").write_text(json.dumps(dict(scale="toy", data="", seed=1337, steps=20, extra_steps=10,
-                                                        tasks="cola,stsb", seeds="1,2")))
+    make_run(out, "mlm", 20)
+    (out / "reproduce.json").write_text(json.dumps(SETTINGS))
     line = reproduce_error(["--out_dir", str(out), "--tasks", "CoLA,STS-B", "--seed", "7", "--only", "report"],
                            tmp_path)
     assert "other settings (seed 1337 -> 7)" in line  # task names are compared in eval.py's spelling
@@ -161,12 +163,20 @@ def test_bad_input_is_refused_before_any_work(tmp_path):
 def test_a_finished_run_without_its_checkpoint_is_kept(tmp_path):
     out = tmp_path / "repro"
     (out / "mlm").mkdir(parents=True)
-    (out / "reproduce.json").write_text(json.dumps(dict(scale="toy", data="", seed=1337, steps=20, extra_steps=10,
-                                                        tasks="cola,stsb", seeds="1,2")))
+    (out / "reproduce.json").write_text(json.dumps(SETTINGS))
     (out / "mlm" / "log.jsonl").write_text(json.dumps({"step": 20, "val_mlm_loss": 6.0}) + "\n")
+    (out / "mlm" / "config.json").write_text(json.dumps({"training_step": 20}))
     (out / "mlm" / "glue.json").write_text("{}")
     line = reproduce_error(["--out_dir", str(out), "--only", "pretrain,mlm"], tmp_path)
     assert "finished its 20 steps but its ckpt.pt is gone" in line and (out / "mlm" / "glue.json").exists()
+    # killed after its last evaluation, before its last save: never saved, so it starts again
+    for export in ({"training_step": 10}, None):
+        (out / "mlm" / "config.json").unlink(missing_ok=True)
+        if export:
+            (out / "mlm" / "config.json").write_text(json.dumps(export))
+        proc = subprocess.run([sys.executable, "reproduce.py", "--out_dir", str(out), "--only", "pretrain,mlm",
+                               "--dry_run"], cwd=HERE, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0 and "train.py --objective mlm" in proc.stdout, proc.stderr
 
 
 def test_a_run_is_finished_when_its_export_holds_the_last_step(tmp_path):
@@ -249,7 +259,8 @@ def test_corrupt_outputs_are_missing_cells_not_crashes(tmp_path):
                                     b'{"step": 5, "val_mlm_loss": 7.0}\n')
     (run / "glue.json").write_text('"oops"')
     (run / "reproduce_time.json").write_text("[1]")
-    args = reproduce.argparse.Namespace(scale="toy", data="", seed=1, tasks="cola", seeds="1", out_dir=str(tmp_path))
+    args = reproduce.argparse.Namespace(scale="toy", data="", seed=1, tasks="cola", seeds="1", out_dir=str(tmp_path),
+                                        steps=20, extra_steps=10)
     r = reproduce.collect(args, ["mlm"])["runs"]["mlm"]
     assert r["steps"] == 5 and r["glue"]["tasks"] == {} and r["process_s"] is None
     reproduce.note_time(str(run), "glue", 2.0)
@@ -335,5 +346,250 @@ def test_glue_from_an_unreachable_hub_is_refused_before_pretraining(tmp_path, mo
     assert exit_info.value.code == 2 and "unreachable and no --glue_dir" in err and "\n" not in err
     assert not (tmp_path / "repro" / "mlm").exists()
     # GLUE already done for every run: nothing to fetch, no refusal (a rerun that only rebuilds the report)
-    monkeypatch.setattr(reproduce, "glue_done", lambda *a: True)
+    monkeypatch.setattr(reproduce, "glue_todo", lambda *a: [])
     reproduce.main(["--out_dir", str(tmp_path / "repro"), "--only", "glue,mlm"])
+
+
+# Fast checks of what reproduce.py decides, on out_dirs built by hand: --python points at FAKE, which stands
+# in for train.py (writes ckpt.pt and an export at --max_steps) and eval.py (GLUE: every task ok, glue.json
+# after each, FAKE_GLUE_FAIL_AFTER=N fails after N tasks; --analysis: analysis.json) and logs each call.
+FAKE = r'''
+import json, os, sys
+argv = sys.argv[1:]
+flag = lambda name: argv[argv.index(name) + 1] if name in argv else None
+with open(os.environ["FAKE_LOG"], "a") as f:
+    f.write(json.dumps(argv) + "\n")
+out = flag("--resume") or flag("--out_dir") or flag("--out")
+os.makedirs(out, exist_ok=True)
+if argv[0] == "train.py":
+    step = int(flag("--max_steps"))
+    open(os.path.join(out, "ckpt.pt"), "w").write("fake")
+    json.dump({"training_step": step}, open(os.path.join(out, "config.json"), "w"))
+    with open(os.path.join(out, "log.jsonl"), "a") as f:
+        f.write(json.dumps({"config": {"objective": flag("--objective")}}) + "\n")
+        f.write(json.dumps({"step": step, "val_mlm_loss": 1.0}) + "\n")
+elif "--analysis" in argv:
+    models = argv[argv.index("--model") + 1:argv.index("--out")]
+    stsb = flag("--glue_dir") and os.path.isfile(os.path.join(flag("--glue_dir"), "STS-B", "dev.tsv"))
+    json.dump({"stsb": flag("--glue_dir") if stsb else None,
+               "models": {os.path.basename(m): {"contextual": {"contextual": 0.5}} for m in models}},
+              open(os.path.join(out, "analysis.json"), "w"))
+else:
+    seeds, tasks = [int(s) for s in flag("--seeds").split(",")], {}
+    for i, task in enumerate(flag("--tasks").split(",")):
+        if i == int(os.environ.get("FAKE_GLUE_FAIL_AFTER", 99)):
+            sys.exit(1)
+        scores = dict(mcc=50.0, spearman=60.0, acc=70.0, f1=80.0, acc_m=90.0)
+        tasks[task] = {"status": "ok", "runs": {str(s): {"seed": s, "scores": scores} for s in seeds}}
+        json.dump({"seeds": seeds, "tasks": tasks, "time_s": 1.0}, open(os.path.join(out, "glue.json"), "w"))
+'''
+
+
+def fake_reproduce(tmp_path, *argv, **env):
+    """reproduce.py on tmp_path/repro with FAKE as its python: (process, the calls FAKE got)."""
+    fake, log = tmp_path / "fake_python", tmp_path / "calls.jsonl"
+    if not fake.exists():
+        fake.write_text(f"#!{sys.executable}\n{FAKE}")
+        fake.chmod(0o755)
+    if not (tmp_path / "glue").exists():
+        write_glue(tmp_path / "glue", random.Random(0), rows=4)
+    log.unlink(missing_ok=True)
+    proc = subprocess.run([sys.executable, "reproduce.py", "--python", str(fake), "--out_dir", str(tmp_path / "repro"),
+                           "--glue_dir", str(tmp_path / "glue"), *argv], cwd=HERE, capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "FAKE_LOG": str(log), **env})
+    calls = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    return proc, calls
+
+
+def make_run(out, name, step):
+    """A run's files as train.py leaves them with its checkpoint and export at `step`."""
+    run = out / name
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "config.json").write_text(json.dumps({"training_step": step}))
+    (run / "ckpt.pt").write_text("fake")
+    (run / "log.jsonl").write_text(json.dumps({"config": {"objective": name}}) + "\n" +
+                                   json.dumps({"step": step, "val_mlm_loss": 1.0}) + "\n")
+    return run
+
+
+def glue_json(**tasks):
+    """glue.json as reproduce.py merges it, task=the training step it scored; "missing": not in --glue_dir;
+    None: eval.py's own entry, without the step (an earlier reproduce.py's glue.json)."""
+    runs = {str(s): {"seed": s, "scores": {"mcc": 50.0, "spearman": 60.0}} for s in (1, 2)}
+    return json.dumps({"seeds": [1, 2], "tasks": {
+        t: {"status": "missing", "reason": "no"} if step == "missing" else
+        {"status": "ok", "runs": runs, **({} if step is None else {"training_step": step})}
+        for t, step in tasks.items()}})
+
+
+def called(calls, kind):
+    """The calls of one kind: train, glue or analysis."""
+    return [c for c in calls if kind == {"train.py": "train"}.get(c[0], "analysis" if "--analysis" in c else "glue")]
+
+
+def test_glue_and_analysis_wait_for_a_run_to_finish(tmp_path):
+    # a run killed at step 10 of 20: GLUE and the analysis must not score it (its export moves on when it
+    # resumes), and what an earlier version scored there (GLUE at step 10, an analysis.json without the
+    # steps) is redone
+    out = tmp_path / "repro"
+    out.mkdir()
+    (out / "reproduce.json").write_text(json.dumps(SETTINGS))
+    make_run(out, "mlm", 20)
+    taco = make_run(out, "taco", 10)
+    (taco / "glue.json").write_text(glue_json(cola=None, stsb=None))
+    (out / "analysis").mkdir()
+    (out / "analysis" / "analysis.json").write_text(json.dumps({"models": {"mlm": {}, "taco": {}}}))
+    proc, calls = fake_reproduce(tmp_path, "--objectives", "mlm,taco", "--only", "glue,analysis,report")
+    assert proc.returncode == 0, proc.stderr
+    assert [c[c.index("--model") + 1] for c in called(calls, "glue")] == [str(out / "mlm")]
+    assert "[taco] has not finished its 20 steps: no GLUE yet" in proc.stdout
+    assert [c[c.index("--model") + 1:c.index("--out")] for c in called(calls, "analysis")] == [[str(out / "mlm")]]
+    results = json.loads((out / "results.json").read_text())
+    assert results["runs"]["taco"]["glue"]["avg"] is None and results["runs"]["taco"]["finished"] is False
+    assert "| taco (unfinished) |" in (out / "results.md").read_text()
+    # taco resumes to 20: now it is scored, and the analysis made without it is redone with it
+    proc, calls = fake_reproduce(tmp_path, "--objectives", "mlm,taco")
+    assert proc.returncode == 0, proc.stderr
+    assert [c[:2] for c in called(calls, "train")] == [["train.py", "--resume"]]
+    assert [c[c.index("--model") + 1] for c in called(calls, "glue")] == [str(taco)]
+    assert json.loads((out / "analysis" / "analysis.json").read_text())["training_steps"] == {"mlm": 20, "taco": 20}
+    results = json.loads((out / "results.json").read_text())
+    assert results["runs"]["taco"]["glue"]["tasks"]["cola"]["status"] == "ok" and "| taco |" in proc.stdout
+    # an export that moves (a run trained further by hand) makes its GLUE and analysis stale
+    make_run(out, "taco", 30)
+    assert reproduce.glue_todo(str(taco), ["cola", "stsb"], ["1", "2"]) == ["cola", "stsb"]
+    proc, calls = fake_reproduce(tmp_path, "--objectives", "mlm,taco", "--only", "analysis")
+    assert len(called(calls, "analysis")) == 1
+
+
+def test_an_analysis_stopped_before_its_plots_is_redone(tmp_path):
+    # analysis.py writes analysis.json, then its plots: only a call that exited 0 stamps the steps
+    out = tmp_path / "repro"
+    out.mkdir()
+    (out / "reproduce.json").write_text(json.dumps(SETTINGS))
+    make_run(out, "mlm", 20)
+    (out / "analysis").mkdir()
+    (out / "analysis" / "analysis.json").write_text(json.dumps({"models": {"mlm": {}}, "stsb": "x"}))
+    proc, calls = fake_reproduce(tmp_path, "--objectives", "mlm", "--only", "analysis")
+    assert proc.returncode == 0 and len(called(calls, "analysis")) == 1, proc.stdout + proc.stderr
+    proc, calls = fake_reproduce(tmp_path, "--objectives", "mlm", "--only", "analysis")
+    assert not calls and "analysis done already" in proc.stdout
+    # STS-B was skipped (no STS-B/dev.tsv) and is there now: redone once
+    analysis = json.loads((out / "analysis" / "analysis.json").read_text())
+    (out / "analysis" / "analysis.json").write_text(json.dumps({**analysis, "stsb": None, "stsb_tsv": None}))
+    proc, calls = fake_reproduce(tmp_path, "--objectives", "mlm", "--only", "analysis")
+    assert len(called(calls, "analysis")) == 1
+
+
+def test_continuations_start_from_the_finished_mlm_run(tmp_path):
+    out = tmp_path / "repro"
+    out.mkdir()
+    (out / "reproduce.json").write_text(json.dumps(SETTINGS))
+    make_run(out, "mlm", 10)  # killed at step 10 of 20
+    proc, calls = fake_reproduce(tmp_path, "--objectives", "tacl", "--only", "continue")
+    assert proc.returncode == 1 and "has not finished its 20 steps" in proc.stderr and not calls, proc.stderr
+    make_run(out, "mlm", 20)
+    proc, calls = fake_reproduce(tmp_path, "--objectives", "tacl", "--only", "continue,tacl")
+    assert proc.returncode == 0 and [c[c.index("--init_from") + 1] for c in calls] == [str(out / "mlm")]
+    assert json.loads((out / "tacl" / "reproduce_init.json").read_text()) == {"mlm_step": 20}
+    # a continuation begun from another mlm step (an earlier version's, from a killed mlm run) is refused
+    make_run(out, "tacl", 5)
+    (out / "tacl" / "reproduce_init.json").write_text(json.dumps({"mlm_step": 15}))
+    proc, calls = fake_reproduce(tmp_path, "--objectives", "tacl", "--only", "continue,tacl")
+    assert proc.returncode == 1 and "continued from the mlm run's step 15" in proc.stderr and not calls
+
+
+def test_glue_needs_every_task_and_a_stopped_glue_keeps_its_tasks(tmp_path):
+    out = tmp_path / "repro"
+    out.mkdir()
+    (out / "reproduce.json").write_text(json.dumps(SETTINGS))
+    run = make_run(out, "mlm", 20)
+    # STS-B is missing from --glue_dir: GLUE is not done (and says so), and is finished once STS-B is there
+    (run / "glue.json").write_text(glue_json(cola=20, stsb="missing"))
+    write_glue(tmp_path / "glue", random.Random(0), rows=4)
+    os.rename(tmp_path / "glue" / "STS-B", tmp_path / "STS-B")
+    proc, calls = fake_reproduce(tmp_path, "--objectives", "mlm", "--only", "glue")
+    assert proc.returncode == 0 and not calls and "stsb not in --glue_dir" in proc.stdout, proc.stderr
+    os.rename(tmp_path / "STS-B", tmp_path / "glue" / "STS-B")
+    proc, calls = fake_reproduce(tmp_path, "--objectives", "mlm", "--only", "glue")
+    assert [c[c.index("--tasks") + 1] for c in calls] == ["stsb"], proc.stdout + proc.stderr
+    assert reproduce.glue_todo(str(run), ["cola", "stsb"], ["1", "2"]) == []
+    # while it is missing, the Avg says it is over 1 task of 2
+    (run / "glue.json").write_text(glue_json(cola=20, stsb="missing"))
+    args = reproduce.argparse.Namespace(scale="toy", data="", seed=1, tasks="cola,stsb", seeds="1,2",
+                                        out_dir=str(out), steps=20, extra_steps=10)
+    results = reproduce.collect(args, ["mlm"])
+    assert results["runs"]["mlm"]["glue"]["avg_over"] == ["cola"]
+    assert "| 50.0 ± 0.0 (1/2 tasks) |" in reproduce.markdown(results, [])
+    # a GLUE call stopped after its first task: the next call fine-tunes the rest only
+    (run / "glue.json").unlink()
+    proc, calls = fake_reproduce(tmp_path, "--objectives", "mlm", "--only", "glue", FAKE_GLUE_FAIL_AFTER="1")
+    assert proc.returncode == 1
+    proc, calls = fake_reproduce(tmp_path, "--objectives", "mlm", "--only", "glue")
+    assert proc.returncode == 0 and [c[c.index("--tasks") + 1] for c in calls] == ["stsb"], proc.stderr
+    report = json.loads((run / "glue.json").read_text())
+    assert {t: r["training_step"] for t, r in report["tasks"].items()} == {"cola": 20, "stsb": 20}
+    assert report["time_s"] == 2.0 and not (run / "glue.part").exists()
+    times = json.loads((run / "reproduce_time.json").read_text())
+    assert times["glue"] > 0  # the failed call's time too
+
+
+def test_settings_are_normalised_and_may_change_until_a_run_has_saved(tmp_path):
+    out = tmp_path / "repro"
+    proc, _ = fake_reproduce(tmp_path, "--seeds", " 1, 02", "--only", "analysis")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((out / "reproduce.json").read_text())["seeds"] == "1,2"
+    # a mistyped --data is refused before anything is saved...
+    settings = (out / "reproduce.json").read_text()
+    assert "no such file or directory" in reproduce_error(["--out_dir", str(out), "--data", "./nowhere.txt"], tmp_path)
+    (tmp_path / "empty.txt").write_text("")
+    line = reproduce_error(["--out_dir", str(out), "--data", str(tmp_path / "empty.txt")], tmp_path)
+    assert "an empty file" in line
+    assert (out / "reproduce.json").read_text() == settings
+    # ...and a --data that only train.py can refuse (a mistyped hub name) locks nothing: no run has saved yet,
+    # so the next call's settings replace it
+    (out / "reproduce.json").write_text(json.dumps({**SETTINGS, "data": "wikitxet"}))
+    proc, _ = fake_reproduce(tmp_path, "--seed", "7", "--only", "analysis")
+    assert proc.returncode == 0 and json.loads((out / "reproduce.json").read_text())["seed"] == 7, proc.stderr
+    make_run(out, "mlm", 3)
+    line = reproduce_error(["--out_dir", str(out), "--glue_dir", str(tmp_path / "glue"), "--only", "analysis"],
+                           tmp_path)
+    assert "other settings (seed 7 -> 1337)" in line
+
+
+def test_a_glue_dir_without_the_tasks_is_refused_before_pretraining(tmp_path):
+    (tmp_path / "glue").mkdir()
+    line = reproduce_error(["--out_dir", str(tmp_path / "repro"), "--glue_dir", str(tmp_path / "glue")], tmp_path)
+    assert "holds none of the tasks cola,stsb (no CoLA/train.tsv)" in line and not (tmp_path / "repro").exists()
+    import eval
+    assert reproduce.GLUE_DIRS == {name: task.dir for name, task in eval.TASKS.items()}
+    assert all(reproduce.glue_absent(str(tmp_path), t) == [os.path.join(task.dir, stem + ".tsv") for stem in
+                                                           ["train"] + [s for s, _ in task.dev.values()]]
+               for t, task in eval.TASKS.items())
+
+
+def test_a_dry_run_writes_nothing_and_ctrl_c_is_one_line(tmp_path, monkeypatch, capsys):
+    proc = subprocess.run([sys.executable, "reproduce.py", "--dry_run", "--out_dir", str(tmp_path / "repro")],
+                          cwd=HERE, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "eval.py --analysis" in proc.stdout and not (tmp_path / "repro").exists()
+
+    def interrupt(args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(reproduce, "check_glue_source", interrupt)
+    with pytest.raises(SystemExit) as exit_info:
+        reproduce.main(["--out_dir", str(tmp_path / "repro")])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 130 and "interrupted" in err and "\n" not in err
+
+
+def test_a_failed_or_stopped_call_counts_its_time(tmp_path):
+    with pytest.raises(SystemExit):
+        reproduce.run_cmd([sys.executable, "-c", "import sys, time; time.sleep(0.3); sys.exit(3)"],
+                          str(tmp_path / "out.log"), False, None, (str(tmp_path), "glue"))
+    assert json.loads((tmp_path / "reproduce_time.json").read_text())["glue"] >= 0.3
+
+
+def test_results_md_names_each_tasks_metric():
+    results = dict(scale="toy", data="", seed=1, seeds=["1"], tasks=["cola", "qqp", "mnli"], runs={})
+    text = reproduce.markdown(results, [])
+    assert "CoLA MCC, QQP F1, MNLI matched accuracy" in text
