@@ -206,7 +206,9 @@ def data_problem(data):
     if os.path.exists(path):
         return "an empty file" if os.path.isfile(path) and not os.path.getsize(path) else None
     if any(c in data for c in "*?["):
-        return None if any(os.path.isfile(f) for f in glob.glob(path, recursive=True)) else "no files match it"
+        files = [f for f in glob.glob(path, recursive=True) if os.path.isfile(f)]
+        empty = [f for f in files if not os.path.getsize(f)]
+        return "no files match it" if not files else f"{empty[0]} is an empty file" if empty else None
     ext = os.path.splitext(re.sub(r"\.(xz|gz|bz2|zst)$", "", data.lower()))[1]
     local = data.startswith(("/", ".", "~")) or ext in (".txt", ".raw", ".jsonl", ".parquet")
     return "no such file or directory" if local else None

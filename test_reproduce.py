@@ -593,3 +593,20 @@ def test_results_md_names_each_tasks_metric():
     results = dict(scale="toy", data="", seed=1, seeds=["1"], tasks=["cola", "qqp", "mnli"], runs={})
     text = reproduce.markdown(results, [])
     assert "CoLA MCC, QQP F1, MNLI matched accuracy" in text
+
+
+def test_data_check_follows_data_py(tmp_path, monkeypatch):
+    # reproduce.py checks --data without importing data.py (torch): the same verdict on each kind of input
+    import data
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.txt").write_text("some text\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "empty.txt").write_text("")
+    for value in ("a.txt", "sub/empty.txt", "*.txt", "sub/*.txt", "*.nope", "./missing.txt", "sub/missing.txt.xz",
+                  "missing.raw", str(tmp_path / "missing"), "wikitext:wikitext-103-raw-v1", "user/corpus"):
+        try:
+            data._resolve_files(value)
+            refused = False
+        except ValueError:
+            refused = True
+        assert (reproduce.data_problem(value) is not None) == refused, value
