@@ -408,7 +408,8 @@ class TaCL(nn.Module):
         h = model(corrupted, attention_mask=attention_mask)
         loss, metrics = mlm_loss(model, h, x, positions, labels, attention_mask, self.predict_all)
         # teacher: the original input, frozen
-        bf16 = x.is_cuda and torch.cuda.is_bf16_supported()  # ours: a frozen teacher needs no fp32 (fidelity note 14)
+        # ours: a frozen teacher needs no fp32 (fidelity note 14); not on pre-Ampere GPUs, which emulate bf16
+        bf16 = x.is_cuda and torch.cuda.is_bf16_supported(including_emulation=False)
         with torch.no_grad(), torch.autocast(x.device.type, torch.bfloat16, enabled=bf16):
             teacher_hidden = self.teacher(x, attention_mask=attention_mask)
         with torch.autocast(x.device.type, enabled=False):  # fp32: 1/tau = 100 magnifies bf16 rounding 100x

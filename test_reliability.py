@@ -217,6 +217,8 @@ def test_inf_gradients_are_a_skipped_step_under_fp16_and_a_stop_otherwise(corpus
         assert code == 0, err
         ckpt = model.load_checkpoint_file(str(tmp_path / "run" / "ckpt.pt"))
         assert ckpt["step"] == 10 and ckpt["scaler"]["scale"] < 2.0 ** 16
+        logged = [json.loads(line) for line in open(tmp_path / "run" / "log.jsonl") if '"loss"' in line]
+        assert logged[-1]["loss_scale"] == ckpt["scaler"]["scale"]  # the log says what the scaler did
         assert all(torch.isfinite(v).all() for v in ckpt["model"].values())
     else:
         assert code == 1
@@ -611,3 +613,30 @@ def test_resume_applies_the_new_optimizer_flags_dropout_and_dtype(corpus, cache,
     assert code == 0, err
     assert seen["weight_decay"] == 0.5 and seen["betas"] == (0.9, 0.9) and seen["eps"] == 1e-3
     assert seen["dropout"] and set(seen["dropout"]) == {0.3}
+
+
+class InfGradFrom(losses.MLM):
+    """Every training step from the third on has an infinite gradient (a finite loss): under fp16 the
+    GradScaler skips each one and halves its scale, which would reach 0 and then poison the weights."""
+    calls = 0
+
+    def forward(self, model, batch, rng):
+        loss, metrics = super().forward(model, batch, rng)
+        if self.training:
+            InfGradFrom.calls += 1
+            if InfGradFrom.calls >= 3:
+                loss = InfGrad.apply(loss)
+        return loss, metrics
+
+
+def test_a_collapsing_fp16_loss_scale_is_a_divergence(corpus, cache, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(losses.LOSSES, "mlm", InfGradFrom)
+    monkeypatch.setattr(InfGradFrom, "calls", 0)
+    out_dir = tmp_path / "run"
+    code, out, err = run_main(flags(corpus, cache, out_dir, max_steps=300, dtype="fp16", log_interval=50,
+                                    ckpt_interval=1000), capsys)
+    assert code == 1
+    one_error(err, "non-finite loss or gradient norm at step 50", "loss_scale", "nothing was saved")
+    assert not (out_dir / "ckpt.pt").exists()
+    log = [json.loads(line) for line in open(out_dir / "log.jsonl")]
+    assert not any("loss_scale" in r for r in log[1:])  # stopped at the first log step, before logging it

@@ -395,6 +395,7 @@ DDP_TIMEOUT = timedelta(minutes=15)
 # 10 min would kill the job), so the training collectives keep the short one above
 DATA_TIMEOUT = timedelta(hours=6)
 NOT_YET = 2 ** 62  # first_bad holds this until a non-finite loss or gradient norm is seen
+MIN_LOSS_SCALE = 1e-4  # fp16: a GradScaler scale below this is a divergence (fairseq's --min-loss-scale)
 
 
 def train(cfg, ckpt=None):
@@ -504,7 +505,9 @@ def train(cfg, ckpt=None):
 
     dtype = cfg.dtype
     if dtype == "auto":
-        dtype = ("bf16" if torch.cuda.is_bf16_supported() else "fp16") if device_type == "cuda" else "fp32"
+        # bf16 from Ampere on; a V100 / T4 only emulates it (slowly), so it gets fp16 and a GradScaler
+        bf16 = device_type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+        dtype = "bf16" if bf16 else "fp16" if device_type == "cuda" else "fp32"
     ptdtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     autocast = nullcontext() if dtype == "fp32" else torch.autocast(device_type, dtype=ptdtype)
     scaler = torch.amp.GradScaler(device_type, enabled=dtype == "fp16")
@@ -594,8 +597,12 @@ def train(cfg, ckpt=None):
         bad = int(bad)
         if bad == NOT_YET and weights and not torch.stack([torch.isfinite(p).all() for p in params]).all():
             bad = step
+        scale = scaler.get_scale() if scaler.is_enabled() else None
+        if bad == NOT_YET and scale is not None and scale < MIN_LOSS_SCALE:
+            bad = step  # fp16: every skipped step halved the scale; the gradients stay non-finite, nothing trains
         if bad != NOT_YET:
-            terms = " | ".join(f"{k} {float(v):.4g}" for k, v in metrics.items())
+            terms = " | ".join(f"{k} {float(v):.4g}" for k, v in {**metrics, "loss_scale": scale}.items()
+                               if v is not None)
             kept = (f"{cfg.out_dir}/ckpt.pt and its export keep step {saved_step}" if saved_step else
                     "nothing was saved")
             raise Diverged(f"non-finite loss or gradient norm at step {bad} (step {step}: {terms}); stopped "
@@ -704,6 +711,8 @@ def train(cfg, ckpt=None):
                     dist.all_reduce(values)
                     metrics = dict(zip(metrics, values / world))
                 record = {"step": step, **{k: float(v) for k, v in metrics.items()}, "lr": lr}
+                if scaler.is_enabled():  # fp16: a falling scale is a run skipping steps
+                    record["loss_scale"] = scaler.get_scale()
                 check_finite(metrics)
                 dt, t_log = time.time() - t_log, time.time()
                 record["tokens_per_s"] = tokens_since_log / dt
@@ -713,8 +722,9 @@ def train(cfg, ckpt=None):
                 record["elapsed_s"] = time.time() - t0
                 log(record)
                 if master:
-                    terms = " | ".join(f"{k} {v:.4f}" for k, v in record.items() if k not in (
-                        "step", "lr", "tokens_per_s", "mfu", "elapsed_s"))
+                    terms = " | ".join(f"{k} {v:.4g}" if k == "loss_scale" else f"{k} {v:.4f}"
+                                       for k, v in record.items() if k not in ("step", "lr", "tokens_per_s", "mfu",
+                                                                                "elapsed_s"))
                     mfu = f" | mfu {record['mfu']:.1%}" if peak else ""
                     eta = record["elapsed_s"] / (step - first_step) * (cfg.max_steps - step)
                     print(f"step {step}/{cfg.max_steps} | {terms} | lr {lr:.2e} | "
