@@ -55,7 +55,7 @@ class TrainConfig:
     taco_temperature: float = 0.07  # tau (TACO App. A)
     taco_weight: float = 1.0  # lambda in L_MLM + lambda * L_TC (TACO Eq. 11)
     taco_anchors: str = "all"  # all non-pad positions (official default) | masked ("concentrated TACO", §5.2)
-    taco_stop_grad: bool = True  # detach positives/negatives (official code); False = the ablation
+    taco_stop_grad: bool = True  # detach positives/negatives (official code); False = our ablation, not the paper's
     negative_pool: int = 0  # sequences sharing one pool of negatives (TACO rows, COCO-LM NT-Xent); 0 = the per-process micro-batch
     tacl_temperature: float = 0.01  # tau (TaCL §3, official scripts)
     gen_shape: str = "cocolm"  # generator: cocolm = same width, max(1, round(L/3)) layers (COCO-LM §4) | electra = full depth, 1/4 width (1/3 for base) (ELECTRA Table 6)
@@ -80,6 +80,7 @@ class TrainConfig:
 # small / base are TACO's Table 5 (App. A), the pretraining recipe of both MLM and TACO. The official
 # scripts differ (256 sequences x 4 accumulation x 2 GPUs = 2,048 per step); we follow the paper.
 # Deviations: bf16 where the paper has fp16; our own 30,522-piece WordPiece, not bert-base-uncased's.
+# COCO-LM and ELECTRA get this recipe too, so that all objectives compare on one (not their papers' own).
 PAPER_RECIPE = dict(seq_len=256, vocab_size=30522, tokens_per_step=1280 * 256, lr=1e-4, beta2=0.999, adam_eps=1e-8,
                     weight_decay=0.01, grad_clip=1.0, dropout=0.1, mask_prob=0.15, data=HUB_CORPUS,
                     batch_size=80, negative_pool=80, log_interval=100, eval_batches=20)
@@ -94,7 +95,8 @@ PRESETS = {
                  eval_interval=5000, ckpt_interval=5000),
     # TaCL's own recipe (official train_tacl_english.sh and train.py): continual pretraining of
     # bert-base-uncased (--init_from), 256 x 256 tokens, 150k steps, 10% warm-up, transformers' AdamW
-    # defaults (eps 1e-6, no weight decay). Not reproduced: its NSP loss on sentence pairs.
+    # defaults (eps 1e-6, no weight decay). Not reproduced: its NSP loss on sentence pairs, and its
+    # clipping on every micro-batch (we clip once per step; fidelity note 3).
     "tacl": dict(objective="tacl", model_size="base", seq_len=256, vocab_size=30522, tokens_per_step=256 * 256,
                  batch_size=64, max_steps=150_000, warmup_steps=15_000, lr=1e-4, beta2=0.999, adam_eps=1e-6,
                  weight_decay=0.0, grad_clip=1.0, dropout=0.1, mask_prob=0.15, data=HUB_CORPUS,
@@ -109,7 +111,7 @@ PRESET_SOURCES = {
                   grad_clip=_TABLE5, dropout=_TABLE5, mask_prob=_TABLE5,
                   data="ours: English Wikipedia (the paper adds BookCorpus, no longer distributed)",
                   batch_size="ours: a per-process cap; accumulation makes up 1,280",
-                  negative_pool="ours: the paper's per-GPU batch (1,280 on 16 GPUs), kept on any layout"),
+                  negative_pool="ours: our reading of the paper's 1,280 on 16 GPUs, kept on any layout"),
     "tacl": dict(model_size="TaCL: bert-base-uncased", seq_len="TaCL script: max_len 256",
                  tokens_per_step="TaCL script: effective batch 256", max_steps="TaCL: 150k steps (its script: 150,010)",
                  warmup_steps="TaCL train.py: 10% of steps", lr="TaCL script", adam_eps="transformers AdamW default",

@@ -57,7 +57,8 @@ def uniform_int(n, rng):
 
 
 def random_real_tokens(shape, config, rng, device):
-    """Uniform over the real vocabulary minus the special ids (bert-base-uncased: 0, 100-103)."""
+    """Uniform over the real vocabulary minus the special ids (bert-base-uncased: 0, 100-103).
+    Hugging Face's collator draws over the whole vocabulary (fidelity note 7)."""
     tokens = torch.randint(config.vocab_size - len(special_ids(config)), shape, generator=rng, device=device)
     for s in special_ids(config):  # ascending: turn the rank among non-special ids into the id itself
         tokens = tokens + (tokens >= s).long()
@@ -436,7 +437,8 @@ def generator_config(cfg, config):
     """The generator's BertConfig and depth for cfg.gen_shape; cfg.gen_layers > 0 overrides the depth.
     "cocolm": the main width, max(1, round(L/3)) layers (COCO-LM §4: 4 for base).
     "electra": L layers at 1/4 of the width (1/3 for base), heads = width/64, FFN = 4x width
-    (ELECTRA §3.2 and Table 6: 1/4 small and large, 1/3 base; official get_generator_config)."""
+    (ELECTRA §3.2 and Table 6: 1/4 small and large, 1/3 base; official get_generator_config). Not
+    reproduced: ELECTRA-Small's factorised 128-wide embeddings; ours are the main width (fidelity note 19)."""
     shape = cfg.gen_shape
     if shape == "cocolm":
         gen_config, num_layers = config, max(1, round(config.num_layers / 3))
