@@ -565,9 +565,10 @@ def run_analysis(args):
         if tok.get_vocab_size() > model.config.vocab_size:  # ids beyond the embedding: not this model's tokenizer
             raise ValueError(f"{path}: the tokenizer has {tok.get_vocab_size()} tokens, the model "
                              f"{model.config.vocab_size}")
-        result, raws[label] = analyze_model(model, tok, sentences, args.max_len, device, args.seed, stsb_rows,
+        max_len = min(args.max_len, model.config.max_position_embeddings)  # as eval.py's GLUE does
+        result, raws[label] = analyze_model(model, tok, sentences, max_len, device, args.seed, stsb_rows,
                                             heatmap_sentence)
-        results["models"][label] = {"path": path, **result}
+        results["models"][label] = {"path": path, "max_len": max_len, **result}
         del model
     _save_json(_finite(results), os.path.join(out, "analysis.json"))
     plot_contextual(results, os.path.join(out, "analysis_contextual.png"))

@@ -526,3 +526,16 @@ def test_a_tokenizer_larger_than_the_model_is_refused(tok, tmp_path):
     text.write_text("\n".join(make_text(10)))
     with pytest.raises(ValueError, match=f"the tokenizer has {tok.get_vocab_size()} tokens"):
         A.run_analysis(SimpleNamespace(model=[model], out=None, text=str(text)))
+
+
+def test_a_model_with_fewer_positions_than_max_len_is_analysed_at_its_own_length(tok, tmp_path, monkeypatch):
+    """--max_len 128 (the default) on a model with 16 positions: cut to 16, as GLUE does, not refused."""
+    no_hub(monkeypatch)
+    torch.manual_seed(0)
+    short = Bert(BertConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, num_layers=2, num_heads=2,
+                            intermediate_size=64, max_position_embeddings=16))
+    model = save_model(short, tok, tmp_path / "run")
+    text = tmp_path / "t.txt"
+    text.write_text("\n".join(" ".join(make_text(40)) for _ in range(10)))  # sentences far over 16 tokens
+    results = A.run_analysis(SimpleNamespace(model=[model], out=None, text=str(text)))
+    assert results["models"]["run"]["max_len"] == 16 and results["models"]["run"]["num_tokens"] > 0
