@@ -46,10 +46,11 @@ def test_hf_import_logits_match(tmp_path, with_mask):
     assert torch.allclose(got[real], ref[real], atol=1e-4), (got - ref)[real].abs().max()
 
 
-def test_hf_import_matches_exactly_in_float64_with_large_weights(tmp_path):
-    # at init (std 0.02, zero biases) small differences hide under atol 1e-4: the tanh GELU, a dropped
-    # MLM bias, LayerNorm eps 1e-5 for 1e-12. Large random weights on every HF tensor (small embeddings,
-    # so their LayerNorm input variance ~1e-5 meets eps) and float64 make any such change a large error
+def hf_large_float64(path):
+    """hf_tiny with large random weights on every tensor, in float64, and ours imported from it. At init (std
+    0.02, zero biases) small differences hide under atol 1e-4: the tanh GELU, a dropped MLM bias, LayerNorm eps
+    1e-5 for 1e-12. Large weights (small embeddings, so their LayerNorm input variance ~1e-5 meets eps) and
+    float64 make any such change a large error."""
     hf = hf_tiny()
     torch.manual_seed(2)
     with torch.no_grad():
@@ -59,7 +60,11 @@ def test_hf_import_matches_exactly_in_float64_with_large_weights(tmp_path):
                 p.add_(1)
             p.copy_(p.float())  # float32-exact, so our float32 load then .double() holds HF's values
     hf.double()
-    ours = Bert.from_pretrained(save_hf(hf, str(tmp_path))).double().eval()  # the import path, config.json too
+    return hf, Bert.from_pretrained(save_hf(hf, path)).double().eval()  # the import path, config.json too
+
+
+def test_hf_import_matches_exactly_in_float64_with_large_weights(tmp_path):
+    hf, ours = hf_large_float64(str(tmp_path))
     x = torch.randint(5, 100, (3, 17))
     tt, mask = torch.zeros_like(x), torch.ones_like(x)
     tt[:, 9:], mask[2, 11:] = 1, 0
@@ -92,11 +97,14 @@ def test_token_types_and_bertmodel_names(tmp_path):
 
 def test_export_loads_back_into_transformers(tmp_path):
     torch.manual_seed(0)
-    ours = Bert(BertConfig(**TINY, dropout=0.0)).eval()
+    ours = Bert(BertConfig(**TINY, dropout=0.1)).eval()
     ours.save_pretrained(str(tmp_path))
     mode = lambda name: (tmp_path / name).stat().st_mode & 0o777
     assert mode("model.safetensors") == mode("config.json")  # not safetensors' 0600: shareable like the rest
     hf = transformers.AutoModelForMaskedLM.from_pretrained(str(tmp_path)).eval()
+    # one dropout here, both of BERT's there (fine-tuning from the export trains with them)
+    assert hf.config.hidden_dropout_prob == hf.config.attention_probs_dropout_prob == 0.1
+    assert hf.config.layer_norm_eps == 1e-12 and hf.config.hidden_act == "gelu"
     x = torch.randint(5, 100, (2, 12))
     with torch.no_grad():
         assert torch.allclose(hf(input_ids=x).logits, ours.mlm_logits(ours(x)), atol=1e-4)
@@ -135,6 +143,24 @@ def test_every_dropout_runs_in_training(monkeypatch):
     attn_p.clear()
     m.eval()(x)
     assert attn_p == [0.0] * TINY["num_layers"]  # and none at evaluation
+
+
+def test_dropout_sites_match_hf_in_training(tmp_path, monkeypatch):
+    """Where dropout acts in a training forward, against HF's BERT: on the embeddings after their LayerNorm, and
+    on each sublayer's output before the residual sum (not on the sum). Every nn.Dropout becomes a deterministic
+    x * 0.5 (no scale survives a LayerNorm it precedes); attention-prob dropout is p = 0 in both (its site:
+    test_every_dropout_runs_in_training), so the train-mode hidden states must agree layer by layer."""
+    hf, ours = hf_large_float64(str(tmp_path))
+    x = torch.randint(5, 100, (2, 9))
+    with torch.no_grad():
+        off = ours(x, all_layers=True)  # eval mode, unpatched: no dropout
+        monkeypatch.setattr(torch.nn.Dropout, "forward", lambda self, x: x * 0.5)
+        ref = hf.train()(input_ids=x, output_hidden_states=True).hidden_states
+        layers = ours.train()(x, all_layers=True)
+    assert len(layers) == len(ref) == 3
+    for ours_h, ref_h, off_h in zip(layers, ref, off):  # embeddings, then each layer
+        torch.testing.assert_close(ours_h, ref_h, rtol=0, atol=1e-9)
+        assert (ours_h - off_h).abs().max() > 0.1  # the stand-in dropout changed something at every site
 
 
 def test_bert_initialisation():
