@@ -96,9 +96,30 @@ def ref_mlm(model, h, input_ids, positions, labels):
     return sum(terms) / len(terms)
 
 
+def ref_tp(model, h, input_ids, positions, labels):
+    """MLM+TP's second term: every unmasked real token (padding holds [PAD]), predicted from the corrupted
+    input, mean CE."""
+    logits = model.mlm_logits(h)
+    selected = {(b, p.item()) for b in range(positions.size(0)) for p, l in zip(positions[b], labels[b]) if l != -100}
+    terms = [ref_log_softmax_at(list(logits[b, t]), input_ids[b, t]) for b in range(input_ids.size(0))
+             for t in range(input_ids.size(1)) if input_ids[b, t] > MASK and (b, t) not in selected]
+    return sum(terms) / len(terms)
+
+
 def close(a, b):
     """float64 against a float64 reference: only summation order differs (~1e-15), a bug shows far above"""
     return torch.allclose(a, b, rtol=0, atol=1e-10)
+
+
+def assert_same_gradients(loss, expected, named_parameters):
+    """loss and its reference have the same gradient w.r.t. every trainable parameter: equal values say nothing
+    of a stop-gradient too many or too few. Float64 on both sides: only summation order differs."""
+    named = [(n, p) for n, p in named_parameters if p.requires_grad]
+    got, want = (torch.autograd.grad(l, [p for _, p in named], retain_graph=True, allow_unused=True)
+                 for l in (loss, expected))
+    for (name, p), a, b in zip(named, got, want):
+        a, b = (torch.zeros_like(p) if g is None else g for g in (a, b))
+        assert torch.allclose(a, b, rtol=0, atol=1e-10 * max(b.abs().max().item(), 1e-3)), name
 
 
 def entropy(rate):  # BCE of always guessing `rate`, in nats: the detectors' trivial baseline
@@ -163,6 +184,69 @@ def test_mask_tokens_statistics(fracs):
     assert (new[new != MASK] > MASK).all()  # random replacements are real, non-special tokens
 
 
+def test_masked_positions_are_uniform_over_the_row():
+    """Each eligible column is selected equally often: the right count per row (checked above) is not enough,
+    a top-k that favoured the end of the row (or its start) would still select round(p * eligible)."""
+    B, T = 20000, 20
+    x = torch.randint(5, 50, (B, T), generator=seeded(0))
+    x[:, 0], x[:, -1] = CLS, SEP
+    _, positions, labels = mask_tokens(x, BertConfig(**TINY), seeded(1))
+    hits = torch.zeros(B, T).scatter(1, positions, (labels != -100).float()).sum(0)
+    assert hits[0] == hits[-1] == 0
+    # round(0.15 * 18) = 3 of the 18 eligible columns per row: 1/6 each, sd 1.6% of that (20 seeds: within 5.5%)
+    assert ((hits[1:-1] / B * 6 - 1).abs() < 0.1).all(), hits / B
+
+
+def test_padding_is_never_masked_whatever_id_it_holds():
+    """Padding is what the attention mask says, not the [PAD] id: padding that holds real ids (a collator
+    padding with another id, or stale tokens) is neither eligible nor counted in round(p * eligible)."""
+    batch = make_batch(**PADDED)
+    x, am = batch["input_ids"].clone(), batch["attention_mask"]
+    x[am == 0] = 7
+    config = BertConfig(**TINY)
+    eligible = (x > MASK) & am.bool()
+    assert torch.equal(losses.eligible_positions(x, config, am), eligible)
+    for seed in range(10):
+        _, positions, labels = mask_tokens(x, config, seeded(seed), 0.15, attention_mask=am)
+        used = labels != -100
+        assert torch.equal(used.sum(1), (eligible.sum(1) * 0.15).round().long())
+        assert am.gather(1, positions)[used].all()
+
+
+class Recorder(nn.Module):
+    """Wraps Bert and keeps the ids of each forward: the input the objective's encoder actually saw (the
+    generators read the shared embeddings directly, so those are not recorded)."""
+
+    def __init__(self, bert):
+        super().__init__()
+        self.bert, self.config, self.embeddings, self.seen = bert, bert.config, bert.embeddings, []
+
+    def forward(self, input_ids, **kw):
+        self.seen.append(input_ids)
+        return self.bert(input_ids, **kw)
+
+    def mlm_logits(self, h):
+        return self.bert.mlm_logits(h)
+
+
+@pytest.mark.parametrize("name", ["mlm", "taco", "tacl"])
+def test_mlm_objectives_mask_with_mask_prob_and_the_bert_split(name):
+    """MLM, TACO and TaCL corrupt their input with cfg.mask_prob and BERT's 80/10/10: the reference tests run at
+    the default 0.15, which a hard-coded 0.15 would pass, so 0.3 here, and the replay names every value (a
+    replay with mask_tokens' defaults would follow those defaults wherever they moved). The split itself is
+    test_mask_tokens_statistics'."""
+    bert = tiny_model()
+    model = Recorder(bert)
+    objective = build(name, bert, mask_prob=0.3, taco_negatives=3)
+    x = make_batch(B=32, T=32)["input_ids"]
+    objective(model, dict(input_ids=x), seeded(4))
+    expected = mask_tokens(x, bert.config, seeded(4), 0.3, 0.8, 0.1)[0]
+    assert torch.equal(model.seen[0], expected)
+    # the batch tells the split and the rate apart: ELECTRA's 85/0/15 or p = 0.15 would corrupt differently
+    assert not torch.equal(mask_tokens(x, bert.config, seeded(4), 0.3, 0.85, 0.0)[0], expected)
+    assert not torch.equal(mask_tokens(x, bert.config, seeded(4), 0.15, 0.8, 0.1)[0], expected)
+
+
 def test_mask_tokens_deterministic_and_global_rng_untouched():
     x = make_batch(**PADDED)
     state = torch.get_rng_state()
@@ -207,20 +291,16 @@ def test_mlm_matches_reference(padded, predict_all):
     batch = make_batch(**(PADDED if padded else {}))
     x, am = batch["input_ids"], batch.get("attention_mask")
     loss, metrics = objective(model, batch, seeded(3))
-    corrupted, positions, labels = mask_tokens(x, model.config, seeded(3), attention_mask=am)
+    corrupted, positions, labels = mask_tokens(x, model.config, seeded(3), 0.15, 0.8, 0.1, am)
     h = model(corrupted, attention_mask=am)
     expected = ref_mlm(model, h, x, positions, labels)
     assert close(metrics["mlm_loss"], expected)
     logits = model.mlm_logits(h)
     hits = [float(logits[b, p].argmax() == l) for b in range(x.size(0)) for p, l in zip(positions[b], labels[b])
             if l != -100]
-    assert abs(metrics["mlm_acc"].item() - sum(hits) / len(hits)) < 1e-12
-    if predict_all:  # TP: every unmasked real token, predicted from the corrupted input
-        logits = model.mlm_logits(h)
-        selected = {(b, p.item()) for b in range(x.size(0)) for p, l in zip(positions[b], labels[b]) if l != -100}
-        terms = [ref_log_softmax_at(list(logits[b, t]), x[b, t]) for b in range(x.size(0)) for t in range(x.size(1))
-                 if x[b, t] > MASK and (b, t) not in selected]
-        tp = sum(terms) / len(terms)
+    assert abs(metrics["mlm_acc"].item() - sum(hits) / len(hits)) < 1e-6  # a float32 ratio, as every accuracy
+    if predict_all:
+        tp = ref_tp(model, h, x, positions, labels)
         assert close(metrics["tp_loss"], tp)
         expected = expected + tp
     assert close(loss, expected)
@@ -311,6 +391,21 @@ def test_taco_samples_follow_the_official_sampler():
     assert hits[2].sum() == 0 and hits[~valid].sum() == 0
     for row, n in ((0, 12), (1, 9), (3, 5)):
         assert ((hits[row, :n] / (300 * 20 / 3 / n) - 1).abs() < 0.3).all()
+
+
+@pytest.mark.parametrize("window", [3, 9])
+def test_taco_positive_window_follows_taco_window(window):
+    """Windows other than the default 5: an interior anchor's positive is at an offset uniform over
+    {-W//2, ..., W//2} minus 0 (3: +-1 only; 9: up to +-4)."""
+    valid = torch.ones(4, 64, dtype=torch.bool)
+    half, rng, hits = window // 2, seeded(1), torch.zeros(window)
+    for _ in range(100):
+        positive, _ = taco_samples(valid, window, 2, rng)
+        d = (positive % 64 - torch.arange(64))[:, half:64 - half]  # anchors whose whole window is in the row
+        assert (d.abs() <= half).all() and (d != 0).all()
+        hits += torch.bincount((d + half).flatten(), minlength=window).double()
+    share = hits[[i for i in range(window) if i != half]] / hits.sum()
+    assert ((share * (window - 1) - 1).abs() < 0.1).all(), share  # sd 1.8% (W=9), 0.6% (W=3); 20 seeds: within 5%
 
 
 def test_taco_negative_pool_draws():
@@ -433,40 +528,52 @@ def test_taco_gradients_match_the_dense_gather(monkeypatch, stop_grad, double):
         assert torch.allclose(fast[name], slow[name], rtol=0, atol=tol * slow[name].abs().max()), name
 
 
-@pytest.mark.parametrize("padded", [False, True])
-@pytest.mark.parametrize("anchors", ["all", "masked"])
-def test_taco_matches_reference(padded, anchors):
+@pytest.mark.parametrize("padded,anchors,W,tau,pool,predict_all", [
+    (False, "all", 5, 0.07, 0, False), (True, "all", 5, 0.07, 0, False),
+    (False, "masked", 5, 0.07, 0, False), (True, "masked", 5, 0.07, 0, False),
+    # the other hyperparameters off their defaults (W 5, tau 0.07, the whole batch, MLM alone): each reaches the loss
+    (True, "all", 3, 0.2, 2, True)])
+def test_taco_matches_reference(padded, anchors, W, tau, pool, predict_all):
+    """Value and gradient: positives and negatives are detached (taco_stop_grad), so the gradient reaches h and
+    the embeddings through the anchor (and MLM) only."""
     model = tiny_model()
-    W, K, tau = 5, 6, 0.07
+    K = 6
     objective = build("taco", model, taco_window=W, taco_negatives=K, taco_temperature=tau, taco_anchors=anchors,
-                      taco_weight=0.7)
+                      taco_weight=0.7, negative_pool=pool, mlm_predict_all=predict_all)
     batch = make_batch(**(PADDED if padded else {}))
     x, am = batch["input_ids"], batch.get("attention_mask")
+    B, T = x.shape
     valid = am.bool() if padded else torch.ones_like(x, dtype=torch.bool)
     loss, metrics = objective(model, batch, seeded(4))
     # replay the draws: masking, then TACO's positives and negatives
     rng = seeded(4)
-    corrupted, positions, labels = mask_tokens(x, model.config, rng, attention_mask=am)
-    positive, negatives = taco_samples(valid, W, K, rng)
+    corrupted, positions, labels = mask_tokens(x, model.config, rng, 0.15, 0.8, 0.1, am)
+    positive, negatives = taco_samples(valid, W, K, rng, pool)
+    assert (negatives // T // (pool or B) == torch.arange(B)[:, None, None] // (pool or B)).all()  # the anchor's pool
     h, emb = model(corrupted, attention_mask=am, return_embeddings=True)
     g = (h - emb).reshape(-1, h.size(-1))
-    masked = {(b, p.item()) for b in range(x.size(0)) for p, l in zip(positions[b], labels[b]) if l != -100}
+    masked = {(b, p.item()) for b in range(B) for p, l in zip(positions[b], labels[b]) if l != -100}
     terms, pos_cos, neg_cos = [], [], []
-    for b in range(x.size(0)):
-        for t in range(x.size(1)):
+    for b in range(B):
+        for t in range(T):
             if not valid[b, t] or (anchors == "masked" and (b, t) not in masked):
                 continue
-            anchor = g[b * x.size(1) + t]
-            scores = [cos(anchor, g[positive[b, t]]) / tau] + [cos(anchor, g[n]) / tau for n in negatives[b, t]]
+            anchor = g[b * T + t]
+            scores = [cos(anchor, g[n].detach()) / tau for n in [positive[b, t], *negatives[b, t]]]
             terms.append(ref_log_softmax_at(scores, 0))
             pos_cos.append(scores[0] * tau)
             neg_cos.append(sum(scores[1:]) * tau / K)
     tc = sum(terms) / len(terms)
     mlm = ref_mlm(model, h, x, positions, labels)
+    if predict_all:
+        tp = ref_tp(model, h, x, positions, labels)
+        assert close(metrics["tp_loss"], tp)
+        mlm = mlm + tp
     assert close(metrics["tc_loss"], tc)
     assert close(metrics["pos_cos"], sum(pos_cos) / len(pos_cos))
     assert close(metrics["neg_cos"], sum(neg_cos) / len(neg_cos))
     assert close(loss, mlm + 0.7 * tc)
+    assert_same_gradients(loss, mlm + 0.7 * tc, model.named_parameters())
 
 
 def test_taco_invariants():
@@ -538,6 +645,7 @@ def test_taco_gradient_reaches_encoder_and_embeddings():
 
 @pytest.mark.parametrize("padded", [False, True])
 def test_tacl_matches_reference(padded):
+    """Value and gradient: L_tc trains the student through h; the teacher is a frozen copy of the start."""
     model = tiny_model()
     teacher_init = copy.deepcopy(model)
     objective = build("tacl", model, tacl_temperature=0.05)
@@ -548,9 +656,10 @@ def test_tacl_matches_reference(padded):
     x, am = batch["input_ids"], batch.get("attention_mask")
     valid = am.bool() if padded else torch.ones_like(x, dtype=torch.bool)
     loss, metrics = objective(model, batch, seeded(6))
-    corrupted, positions, labels = mask_tokens(x, model.config, seeded(6), attention_mask=am)
+    corrupted, positions, labels = mask_tokens(x, model.config, seeded(6), 0.15, 0.8, 0.1, am)
     h = model(corrupted, attention_mask=am)
-    teacher = teacher_init(x, attention_mask=am)
+    with torch.no_grad():
+        teacher = teacher_init(x, attention_mask=am)
     terms, hits = [], []
     for b in range(x.size(0)):
         for k in range(positions.size(1)):
@@ -564,7 +673,9 @@ def test_tacl_matches_reference(padded):
     tacl = sum(terms) / len(terms)
     assert close(metrics["tacl_loss"], tacl)
     assert abs(metrics["tacl_acc"].item() - sum(hits) / len(hits)) < 1e-6
-    assert close(loss, ref_mlm(model, h, x, positions, labels) + tacl)
+    expected = ref_mlm(model, h, x, positions, labels) + tacl
+    assert close(loss, expected)
+    assert_same_gradients(loss, expected, model.named_parameters())  # L_tc trains the student through h
 
 
 class OrthogonalModel(nn.Module):
@@ -689,7 +800,10 @@ def test_cocolm_matches_reference(padded, negative_pool):
         assert abs(scl_loss - math.log(2 * (negative_pool or B) - 1)) > 0.05  # not the uniform log(2P - 1)
     for key, value in dict(gen_loss=gen_loss, copy_loss=copy_loss, lm_loss=lm_loss, scl_loss=scl_loss).items():
         assert close(metrics[key], value), key
-    assert close(loss, gen_loss + 50 * copy_loss + lm_loss + scl_loss)
+    expected = gen_loss + 50 * copy_loss + lm_loss + scl_loss
+    assert close(loss, expected)
+    # every term trains the encoder (and its own head); only p_copy inside L_LM is detached
+    assert_same_gradients(loss, expected, [*model.named_parameters(), *objective.named_parameters()])
     # the logged detector numbers, over the non-pad tokens; replaced_frac over the masked slots
     assert abs(metrics["copy_acc"] - sum(float((p > 0.5) == (o == 1)) for o, p in rows) / len(rows)) < 1e-6
     assert abs(metrics["copy_trivial"] - entropy(1 - sum(o for o, _ in rows) / len(rows))) < 1e-6
@@ -701,13 +815,14 @@ def sigmoid(z):
 
 
 def ref_corrective_lm(objective, model, h, x, x_mlm, positions, labels):
-    """COCO-LM's L_LM, slot by slot: -log(orig p_copy(1) + p_copy(0) softmax(E h + b)[x])."""
+    """COCO-LM's L_LM, slot by slot: -log(orig sg(p_copy(1)) + sg(p_copy(0)) softmax(E h + b)[x]), sg = detach:
+    L_LM trains the LM head and the encoder, never the copy head through p_copy."""
     terms = []
     for b in range(x.size(0)):
         for k in range(positions.size(1)):
             if labels[b, k] != -100:
                 t = positions[b, k]
-                p1, orig = sigmoid(objective.copy_head(h[b, t])[0]), float(x_mlm[b, t] == x[b, t])
+                p1, orig = sigmoid(objective.copy_head(h[b, t])[0]).detach(), float(x_mlm[b, t] == x[b, t])
                 lm = model.embeddings.word.weight[:model.config.vocab_size] @ h[b, t] + objective.lm_bias
                 q = torch.exp(lm[x[b, t]]) / torch.exp(lm).sum()
                 terms.append(-torch.log(orig * p1 + (1 - p1) * q))
@@ -736,14 +851,36 @@ def test_cocolm_a_sample_equal_to_the_original_counts_as_original(monkeypatch):
     assert close(metrics["lm_loss"], ref_corrective_lm(objective, model, h, x, x_mlm, positions, labels))
 
 
+def test_cocolm_copy_weight_and_crop_fraction_reach_the_loss():
+    """cocolm_copy_weight and cocolm_crop_fraction off their defaults (the reference tests use 50 and 0.9): the
+    loss weights L_copy by the config's 7, and SCL's second view keeps round(0.5 * 14) = 7 of the 14 tokens
+    between [CLS] and [SEP], contiguous (unpadded rows: cut to [CLS] + 7 + [SEP])."""
+    bert = tiny_model()
+    model = Recorder(bert)
+    loss, m = build("cocolm", bert, cocolm_copy_weight=7.0, cocolm_crop_fraction=0.5)(model, make_batch(), seeded())
+    assert close(loss, m["gen_loss"] + 7 * m["copy_loss"] + m["lm_loss"] + m["scl_loss"])
+    x, crop = make_batch()["input_ids"], model.seen[1]  # main model on x^MLM, then on the crop
+    assert crop.shape == (4, 9)
+    for b in range(4):
+        row, inner = crop[b].tolist(), x[b, 1:-1].tolist()
+        assert row[0] == CLS and row[-1] == SEP and any(inner[i:i + 7] == row[1:-1] for i in range(8))
+
+
+def test_electra_disc_weight_reaches_the_loss():
+    model = tiny_model()
+    loss, m = build("electra", model, electra_disc_weight=20.0)(model, make_batch(), seeded())
+    assert close(loss, m["gen_loss"] + 20 * m["disc_loss"])  # the reference test uses the default 50
+
+
 def test_crop_views():
     config = BertConfig(**TINY)
-    batch = make_batch(B=3, T=22, lengths=[22, 12, 7])
+    lengths = [22, 12, 7, 16]  # 14 inner tokens: 12.6 rounds up to 13
+    batch = make_batch(B=4, T=22, lengths=lengths)
     x, am = batch["input_ids"], batch["attention_mask"]
     starts = set()
     for seed in range(30):
         crop, mask = crop_views(x, config, seeded(seed), 0.9, am)
-        for b, n in enumerate([22, 12, 7]):
+        for b, n in enumerate(lengths):
             keep = round((n - 2) * 0.9)
             row = crop[b, :keep + 2].tolist()
             assert row[0] == CLS and row[-1] == SEP and mask[b].sum() == keep + 2
@@ -752,12 +889,16 @@ def test_crop_views():
             start = next(i for i in range(len(inner) - keep + 1) if inner[i:i + keep] == row[1:-1])  # contiguous
             starts.add((b, start))
     assert {s for b, s in starts if b == 0} == {0, 1, 2}  # 20 inner tokens, crops of 18: every start drawn
-    # unpadded rows: cut to the common length instead of padding, same [CLS] output
+    # unpadded rows: cut to the common length instead of padding, same [CLS] output; T = 16: [CLS] 13 [SEP]
     model = tiny_model()
-    x = make_batch(B=3, T=22)["input_ids"]
+    x = make_batch(B=3, T=16)["input_ids"]
     cut, none = crop_views(x, config, seeded(1), 0.9)
     padded, mask = crop_views(x, config, seeded(1), 0.9, torch.ones_like(x))
     assert none is None and torch.equal(cut, padded[:, :cut.size(1)]) and (padded[:, cut.size(1):] == PAD).all()
+    assert cut.shape == (3, 15)
+    for b in range(3):
+        row, inner = cut[b].tolist(), x[b, 1:-1].tolist()
+        assert row[0] == CLS and row[-1] == SEP and any(inner[i:i + 13] == row[1:-1] for i in range(2))
     assert torch.allclose(model(cut)[:, 0], model(padded, attention_mask=mask)[:, 0], atol=1e-10)
 
 
@@ -775,6 +916,29 @@ def test_corrective_lm_loss_reduces_to_cross_entropy():
     logits.requires_grad_(), copy_logit.requires_grad_()
     corrective_lm_loss(logits, targets, copy_logit, torch.arange(6) % 2 == 0).sum().backward()
     assert copy_logit.grad is None and logits.grad.abs().sum() > 0
+
+
+def test_electra_a_sample_equal_to_the_original_is_not_replaced(monkeypatch):
+    """As COCO-LM's: the generator is right in rows 0 and 2 (every sample is the original token) and wrong in
+    rows 1 and 3. The discriminator's target is sample != original (official), not "was masked": replaced only
+    at rows 1 and 3's masked slots, and replaced_frac counts only those."""
+    monkeypatch.setattr(losses, "sample_tokens", lambda logits, rng: torch.full(logits.shape[:-1], 7))
+    model = tiny_model()
+    objective = build("electra", model)
+    batch = make_batch()
+    x = batch["input_ids"]
+    real = x > MASK
+    x[[0, 2]] = torch.where(real[[0, 2]], 7, x[[0, 2]])
+    x[[1, 3]] = torch.where(x[[1, 3]] == 7, 8, x[[1, 3]])
+    _, metrics = objective(model, batch, seeded(8))
+    _, positions, labels = mask_tokens(x, model.config, seeded(8), 0.15, 0.85, 0.0)
+    used = labels != -100
+    x_mlm = x.scatter(1, positions, torch.where(used, 7, x.gather(1, positions)))
+    assert abs(metrics["replaced_frac"] - used[[1, 3]].sum() / used.sum()) < 1e-6
+    replaced = (x_mlm != x).double()
+    assert replaced[[0, 2]].sum() == 0 and replaced.sum() == used[[1, 3]].sum() > 0
+    p = sigmoid(objective.disc_head(model(x_mlm))[..., 0])
+    assert close(metrics["disc_loss"], -(replaced * torch.log(p) + (1 - replaced) * torch.log(1 - p)).mean())
 
 
 @pytest.mark.parametrize("padded,gen_shape", [(False, "cocolm"), (True, "cocolm"), (True, "electra")])
@@ -799,6 +963,7 @@ def test_electra_matches_reference(padded, gen_shape):
     assert close(metrics["gen_loss"], gen_loss)
     assert close(metrics["disc_loss"], disc_loss)
     assert close(loss, gen_loss + 50 * disc_loss)
+    assert_same_gradients(loss, gen_loss + 50 * disc_loss, [*model.named_parameters(), *objective.named_parameters()])
     assert abs(metrics["disc_acc"] - sum(float((p > 0.5) == (r == 1)) for r, p in rows) / len(rows)) < 1e-6
     assert abs(metrics["disc_trivial"] - entropy(sum(r for r, _ in rows) / len(rows))) < 1e-6
     assert abs(metrics["replaced_frac"] - replaced_at_masked(x, x_mlm, positions, labels)) < 1e-6
@@ -830,6 +995,31 @@ def test_generator_gradient_routing(name, gen_shape):
     assert not any("embeddings" in k for k in objective.state_dict())
     generator_part = model.embeddings.word.weight.grad
     assert generator_part.abs().sum() > 0 and (full_embedding - generator_part).abs().sum() > 0
+    # through its input, not only through its tied decoder: position embeddings and LayerNorm too
+    assert model.embeddings.position.weight.grad.abs().sum() > 0 and model.embeddings.ln.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("name", ["cocolm", "electra"])
+def test_objective_modules_start_from_bert_initialisation(name):
+    """What COCO-LM and ELECTRA add (generator, copy / SCL / discriminator heads, LM bias) starts from BERT's
+    initialisation, as the main model does (test_model.py): N(0, 0.02) matrices, zero biases, unit-weight
+    zero-bias LayerNorm. PyTorch's default Linear init has nonzero biases (and std 0.072 at D = 64)."""
+    model = tiny_model(double=False, hidden_size=64, intermediate_size=256)
+    objective = build(name, model, double=False)
+    matrices = 0
+    for module_name, module in objective.named_modules():
+        if isinstance(module, nn.Linear):
+            assert torch.all(module.bias == 0), module_name
+            if module.weight.numel() >= 4096:  # std estimated within 1.1%, mean within 0.0003 (sd)
+                w = module.weight
+                assert abs(w.std().item() - 0.02) < 0.002 and abs(w.mean().item()) < 0.002, module_name
+                matrices += 1
+        if isinstance(module, nn.LayerNorm):
+            assert torch.all(module.weight == 1) and torch.all(module.bias == 0), module_name
+    assert matrices == 6  # the generator layer's qkv, proj, up, down; its head's dense; SCL's or the disc head's
+    assert torch.all(objective.generator.head.bias == 0)
+    if name == "cocolm":
+        assert torch.all(objective.lm_bias == 0)
 
 
 def test_generator_shapes():
