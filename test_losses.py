@@ -829,6 +829,15 @@ def ref_corrective_lm(objective, model, h, x, x_mlm, positions, labels):
     return sum(terms) / len(terms)
 
 
+def sevens_in_rows_0_and_2(batch):
+    """Rows 0 and 2: every real token is 7 (a sampled 7 there is the original); rows 1 and 3 hold no 7."""
+    x = batch["input_ids"]
+    real = x > MASK
+    x[[0, 2]] = torch.where(real[[0, 2]], 7, x[[0, 2]])
+    x[[1, 3]] = torch.where(x[[1, 3]] == 7, 8, x[[1, 3]])
+    return x
+
+
 def test_cocolm_a_sample_equal_to_the_original_counts_as_original(monkeypatch):
     """The generator is right in rows 0 and 2 (every sample is the original token) and wrong in rows 1 and 3:
     L_LM takes its orig * p_copy(1) branch exactly there, and replaced_frac counts only rows 1 and 3."""
@@ -838,10 +847,7 @@ def test_cocolm_a_sample_equal_to_the_original_counts_as_original(monkeypatch):
     with torch.no_grad():
         objective.copy_head.bias.fill_(0.3)
     batch = make_batch()
-    x = batch["input_ids"]
-    real = x > MASK
-    x[[0, 2]] = torch.where(real[[0, 2]], 7, x[[0, 2]])
-    x[[1, 3]] = torch.where(x[[1, 3]] == 7, 8, x[[1, 3]])
+    x = sevens_in_rows_0_and_2(batch)
     _, metrics = objective(model, batch, seeded(8))
     _, positions, labels = mask_tokens(x, model.config, seeded(8), 0.15, 0.8, 0.1)
     x_mlm = x.scatter(1, positions, torch.where(labels != -100, 7, x.gather(1, positions)))
@@ -926,10 +932,7 @@ def test_electra_a_sample_equal_to_the_original_is_not_replaced(monkeypatch):
     model = tiny_model()
     objective = build("electra", model)
     batch = make_batch()
-    x = batch["input_ids"]
-    real = x > MASK
-    x[[0, 2]] = torch.where(real[[0, 2]], 7, x[[0, 2]])
-    x[[1, 3]] = torch.where(x[[1, 3]] == 7, 8, x[[1, 3]])
+    x = sevens_in_rows_0_and_2(batch)
     _, metrics = objective(model, batch, seeded(8))
     _, positions, labels = mask_tokens(x, model.config, seeded(8), 0.15, 0.85, 0.0)
     used = labels != -100
