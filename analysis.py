@@ -570,12 +570,12 @@ def run_analysis(args):
                                             heatmap_sentence)
         results["models"][label] = {"path": path, "max_len": max_len, **result}
         del model
-    _save_json(_finite(results), os.path.join(out, "analysis.json"))
     plot_contextual(results, os.path.join(out, "analysis_contextual.png"))
     plot_self_similarity(results, os.path.join(out, "analysis_self_similarity.png"))
     plot_heatmaps(raws, heatmap_sentence, os.path.join(out, "analysis_heatmap.png"))
     plot_sentence_similarity(raws, os.path.join(out, "analysis_sentence_similarity.png"))
     plot_word_similarity(results, raws, os.path.join(out, "analysis_word_similarity.png"))
+    _save_json(_finite(results), os.path.join(out, "analysis.json"))  # last: its presence means the whole analysis
     print_summary(results)
     print(f"wrote analysis.json and analysis_*.png to {out}")
     return results

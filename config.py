@@ -188,7 +188,10 @@ def parse_args(argv, usage=None):
         raise ValueError(f"unknown preset {preset!r} (choose from {', '.join(PRESETS)})")
     if "data" in given:
         given["data"] = data_path(given["data"])
+    if "cache_dir" in given:  # absolute, as data: a resume or `eval.py --analysis` from elsewhere reuses the cache
+        given["cache_dir"] = os.path.abspath(os.path.expanduser(given["cache_dir"]))
     cfg = replace(TrainConfig(), **{**PRESETS[preset], **given})
+    cfg.cache_dir = os.path.abspath(os.path.expanduser(cfg.cache_dir))
     if "warmup_steps" not in given and cfg.warmup_steps > cfg.max_steps:  # a short run of a preset: 10% warm-up
         cfg.warmup_steps = cfg.max_steps // 10
     return cfg, given

@@ -383,6 +383,21 @@ def test_run_analysis_five_models_writes_json_and_plots(tok, tmp_path, monkeypat
     assert "intra/inter L10 distance" in printed and "STS-B skipped" not in printed  # full names, not abbreviations
 
 
+def test_analysis_json_is_written_last(tok, tmp_path, monkeypatch):
+    # a run stopped while plotting leaves no analysis.json: its presence means the whole analysis is there
+    no_hub(monkeypatch)
+    model = save_model(tiny_bert(tok.get_vocab_size()), tok, tmp_path / "run")
+    text = tmp_path / "t.txt"
+    text.write_text("\n".join(make_text(10)))
+
+    def stop(*a):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(A, "plot_word_similarity", stop)
+    with pytest.raises(KeyboardInterrupt):
+        A.run_analysis(SimpleNamespace(model=[model], out=None, text=str(text)))
+    assert (tmp_path / "run" / "analysis_contextual.png").exists() and not (tmp_path / "run" / "analysis.json").exists()
+
+
 def test_stsb_offline_is_one_line_and_the_rest_completes(tok, tmp_path, monkeypatch, capsys):
     no_hub(monkeypatch)
     model = save_model(tiny_bert(tok.get_vocab_size()), tok, tmp_path / "run")

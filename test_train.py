@@ -69,6 +69,15 @@ def test_flags_presets_and_types():
             config.parse_args(bad)
 
 
+def test_cache_dir_is_absolute(tmp_path, monkeypatch):
+    # saved absolute in the checkpoint and log.jsonl, so `eval.py --analysis` or a resume from another directory
+    # finds the run's token cache instead of re-tokenizing the corpus into a new ./cache there
+    monkeypatch.chdir(tmp_path)
+    assert config.parse_args([])[0].cache_dir == str(tmp_path / "cache")
+    cfg, given = config.parse_args(["--cache_dir", "sub/c"])
+    assert cfg.cache_dir == given["cache_dir"] == str(tmp_path / "sub" / "c")
+
+
 def test_help_lists_fields_with_comments():
     out = subprocess.run([sys.executable, "train.py", "--help"], cwd=HERE, capture_output=True, text=True)
     assert out.returncode == 0 and "--taco_negatives" in out.stdout and "K negatives" in out.stdout
