@@ -9,6 +9,7 @@ results.md, results.json and plots.
     python reproduce.py --scale mini ... --only mlm,taco,tacl,mlm_cont   # these runs' training and GLUE; then
                                                                          # the analysis and report of every run
     python reproduce.py --scale mini ... --only glue,analysis,report     # some stages, every run
+    python reproduce.py --scale mini ... --nproc_per_node 4              # pretraining on 4 GPUs (torchrun)
 
 Every step is a subprocess (`python train.py ...`, `python eval.py ...`), and every stage is
 skipped when its outputs are already there (a killed pretraining run is resumed), so a long
@@ -34,6 +35,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STAGES = ["pretrain", "continue", "glue", "analysis", "report"]
@@ -170,12 +172,20 @@ def export_step(run_dir):
     return step if type(step) is int else None
 
 
+def export_id(run_dir):
+    """Which weights a result was made from: the run's id (reproduce_init.json, new each time the run starts
+    from scratch, so a run deleted and trained again is another run) and its export's step; None before an
+    export. A run started by an earlier reproduce.py has no id: "-"."""
+    step, run = export_step(run_dir), read_json(os.path.join(run_dir, "reproduce_init.json")) or {}
+    return None if step is None else f"{run.get('run_id', '-')}@{step}"
+
+
 def run_finished(run_dir, steps):
-    """A pretraining run is done when its export holds its last step and ckpt.pt exists. Not the log:
-    train.py logs the last evaluation before it saves, and a kill in between leaves the weights of the
-    checkpoint before (config.json is written after the weights)."""
+    """A pretraining run is done when its export holds its last step. Not the log: train.py logs the last
+    evaluation before it saves, and a kill in between leaves the weights of the checkpoint before (config.json
+    is written after the weights). Not ckpt.pt: train.py writes it after the export, and nothing here reads it."""
     step = export_step(run_dir)
-    return os.path.isfile(os.path.join(run_dir, "ckpt.pt")) and step is not None and step >= steps
+    return step is not None and step >= steps
 
 
 def steps_of(args, name):
@@ -249,7 +259,8 @@ def run_cmd(cmd, log_path, dry_run, env=None, timed=None):
             if timed:
                 note_time(*timed, time.time() - t0)
     if stop:
-        print(f"reproduce.py: stopped by {signal.Signals(stop[0]).name} ({cmd[1]} exited {code}); rerun the "
+        script = next((c for c in cmd if c.endswith(".py")), cmd[0])
+        print(f"reproduce.py: stopped by {signal.Signals(stop[0]).name} ({script} exited {code}); rerun the "
               f"same command to go on", file=sys.stderr)
         sys.exit(128 + stop[0])
     if code:
@@ -300,19 +311,18 @@ def note_time(run_dir, stage, seconds):
 
 
 def pretrain(args, scale, name, objective, steps, extra, start=None):
-    """Train a run to `steps`, resuming a killed one. start: a continuation's record of the mlm export it
-    starts from, saved with a fresh run (reproduce_init.json)."""
+    """Train a run to `steps`, resuming a killed one. A fresh run gets a new id in reproduce_init.json, with
+    `start`: a continuation's record of the mlm export it starts from."""
     run_dir = os.path.join(args.out_dir, name)
     if run_finished(run_dir, steps):
         print(f"[{name}] pretrained already ({run_dir})")
         return
+    train = [args.python, "train.py"] if args.nproc_per_node == 1 else [  # DDP on this node's GPUs
+        args.python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc_per_node}", "train.py"]
     if os.path.isfile(os.path.join(run_dir, "ckpt.pt")):
-        cmd = [args.python, "train.py", "--resume", run_dir, "--max_steps", str(steps)]  # a killed run goes on
+        cmd = [*train, "--resume", run_dir, "--max_steps", str(steps)]  # a killed run goes on
     else:
-        if (export_step(run_dir) or 0) >= steps:  # finished, then its ckpt.pt went: its outputs stay
-            sys.exit(f"error: {run_dir} finished its {steps} steps but its ckpt.pt is gone: put it back, or delete "
-                     f"the directory to pretrain {name} again")
-        if os.path.isdir(run_dir) and not args.dry_run:  # killed before its first (or last) save: nothing to keep
+        if os.path.isdir(run_dir) and not args.dry_run:  # killed before its first ckpt.pt: nothing to resume
             if os.path.isfile(os.path.join(run_dir, ".lock")):
                 lock = try_lock(os.path.join(run_dir, ".lock"))
                 if lock is None:
@@ -320,14 +330,14 @@ def pretrain(args, scale, name, objective, steps, extra, start=None):
                 lock.close()  # ours now, and closed: Windows deletes no open file
             shutil.rmtree(run_dir)
         # 10% warm-up, then linear decay to 0 (continuations too: `steps` is theirs)
-        cmd = [args.python, "train.py", "--objective", objective, *scale["train"], "--max_steps", str(steps),
+        cmd = [*train, "--objective", objective, *scale["train"], "--max_steps", str(steps),
                "--warmup_steps", str(max(1, steps // 10)), "--seed", str(args.seed), "--cache_dir", args.cache_dir,
                "--out_dir", run_dir, *extra]
         if args.data:
             cmd += ["--data", args.data]
-        if start and not args.dry_run:
+        if not args.dry_run:
             os.makedirs(run_dir, exist_ok=True)
-            save_json(start, os.path.join(run_dir, "reproduce_init.json"))
+            save_json(dict(run_id=uuid.uuid4().hex[:12], **(start or {})), os.path.join(run_dir, "reproduce_init.json"))
     if not args.dry_run:
         os.makedirs(run_dir, exist_ok=True)
     run_cmd(cmd, os.path.join(args.out_dir, f"{name}.train.out"), args.dry_run, scale["env"], (run_dir, "pretrain"))
@@ -339,12 +349,13 @@ def continue_run(args, scale, name):
     if not run_finished(mlm, args.steps) and not args.dry_run:
         sys.exit(f"error: {name} continues from the mlm run, which has not finished its {args.steps} steps: "
                  f"pretrain it first (--only pretrain,mlm)")
-    began = (read_json(os.path.join(run_dir, "reproduce_init.json")) or {}).get("mlm_step")
-    if os.path.isfile(os.path.join(run_dir, "ckpt.pt")) and began is not None and began != export_step(mlm):
-        sys.exit(f"error: {run_dir} continued from the mlm run's step {began}, which is now at step "
-                 f"{export_step(mlm)}: delete {run_dir} to continue it again from there")
+    began = (read_json(os.path.join(run_dir, "reproduce_init.json")) or {}).get("mlm_export")
+    saved = any(os.path.isfile(os.path.join(run_dir, f)) for f in ("ckpt.pt", "config.json"))
+    if saved and began is not None and began != export_id(mlm):
+        sys.exit(f"error: {run_dir} was continued from another mlm run or step (export {began}, now "
+                 f"{export_id(mlm)}): delete {run_dir} to continue it again from the mlm run")
     extra = ["--init_from", mlm, "--lr", str(scale["continue_lr"])]
-    pretrain(args, scale, name, CONTINUED[name], args.extra_steps, extra, dict(mlm_step=export_step(mlm)))
+    pretrain(args, scale, name, CONTINUED[name], args.extra_steps, extra, dict(mlm_export=export_id(mlm)))
 
 
 def glue(args, scale, name):
@@ -355,7 +366,8 @@ def glue(args, scale, name):
     if not run_finished(run_dir, steps_of(args, name)) and not args.dry_run:
         print(f"[{name}] has not finished its {steps_of(args, name)} steps: no GLUE yet")
         return
-    absorb_glue(run_dir)
+    if not args.dry_run:
+        absorb_glue(run_dir)
     todo = glue_todo(run_dir, args.tasks.split(","), args.seeds.split(","))
     if not todo:
         print(f"[{name}] GLUE done already ({os.path.join(run_dir, 'glue.json')})")
@@ -388,27 +400,27 @@ def absorb_glue(run_dir):
         tasks = old["tasks"] if isinstance(old.get("tasks"), dict) else {}
         tasks.update({t: {**r, "training_step": stamp.get("training_step")} for t, r in new["tasks"].items()
                       if isinstance(r, dict)})
-        # eval.py's averages and lists covered that call's tasks alone: results.md averages the merged ones
-        keep = {k: v for k, v in new.items() if k not in ("avg8", "avg9", "missing", "not_run")}
-        time_s = sum(t for t in (old.get("time_s"), new.get("time_s")) if isinstance(t, (int, float)))
-        save_json({**keep, "tasks": tasks, "time_s": time_s, "glue_dir": stamp.get("glue_dir")}, path)
+        # eval.py's averages, lists and time covered that call's tasks alone: results.md uses the merged
+        # tasks (and their time_s: a part absorbed twice after a kill must not count twice)
+        keep = {k: v for k, v in new.items() if k not in ("avg8", "avg9", "missing", "not_run", "time_s")}
+        save_json({**keep, "tasks": tasks, "glue_dir": stamp.get("glue_dir")}, path)
     shutil.rmtree(part, ignore_errors=True)  # absorbed, or unusable (no stamp: killed before eval.py began)
 
 
 def analyse(args, scale, runs):
     """eval.py --analysis on every finished run, all in one call (its plots compare them). analysis.json is
-    stamped with each run's export step once the call has succeeded, i.e. after its plots too."""
+    stamped with each run's export_id once the call has succeeded."""
     out, path = os.path.join(args.out_dir, "analysis"), os.path.join(args.out_dir, "analysis", "analysis.json")
     steps = {}
     for name in runs:
         if args.dry_run or run_finished(os.path.join(args.out_dir, name), steps_of(args, name)):
-            steps[name] = export_step(os.path.join(args.out_dir, name))
+            steps[name] = export_id(os.path.join(args.out_dir, name))
         elif os.path.isdir(os.path.join(args.out_dir, name)):
             print(f"[{name}] has not finished its {steps_of(args, name)} steps: not analysed yet")
     if not steps:
         return
     done = read_json(path) or {}
-    stamped = done.get("training_steps") if isinstance(done.get("training_steps"), dict) else {}
+    stamped = done.get("exports") if isinstance(done.get("exports"), dict) else {}
     # STS-B was skipped (no --glue_dir, or no STS-B in it) and is there now: its sentence similarity is due
     stsb = os.path.join(args.glue_dir, "STS-B", "dev.tsv") if args.glue_dir else None
     stsb = stsb if stsb and os.path.isfile(stsb) else None
@@ -422,7 +434,7 @@ def analyse(args, scale, runs):
         cmd += ["--glue_dir", args.glue_dir]
     run_cmd(cmd, os.path.join(args.out_dir, "analysis.out"), args.dry_run, scale["env"])
     if read_json(path) and not args.dry_run:
-        save_json({**read_json(path), "training_steps": steps, "stsb_tsv": stsb}, path)
+        save_json({**read_json(path), "exports": steps, "stsb_tsv": stsb}, path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -485,13 +497,10 @@ def collect(args, runs):
                                                           f"is at step {step}")
                 continue
             per_seed, collapsed = {}, 0
-            if isinstance(t.get("runs"), dict):  # {label: {seed, scores, collapsed}}
-                for label, run in t["runs"].items():
-                    seed = str(run.get("seed", label))
-                    per_seed[label if seed in per_seed else seed] = run.get("scores") or {}
-                    collapsed += bool(run.get("collapsed"))  # fine-tuning predicted one class only
-            else:  # the earlier format: {seed: {metric: value}}
-                per_seed = {str(s): v for s, v in (t.get("seeds") or {}).items()}
+            for label, run in (t.get("runs") if isinstance(t.get("runs"), dict) else {}).items():
+                seed = str(run.get("seed", label))  # {label: {seed, scores, collapsed}}
+                per_seed[label if seed in per_seed else seed] = run.get("scores") or {}
+                collapsed += bool(run.get("collapsed"))  # fine-tuning predicted one class only
             key = PRIMARY.get(task) if all(PRIMARY.get(task) in v for v in per_seed.values()) else \
                 next(iter(next(iter(per_seed.values()), {})), None)
             values = {s: v.get(key) for s, v in per_seed.items()}
@@ -505,11 +514,13 @@ def collect(args, runs):
         m, s = mean_std(per_seed_avg)
         r["glue"] = dict(tasks=tasks, avg=m, avg_std=s, avg_per_seed=per_seed_avg,
                          avg_over=[t for t in results["tasks"] if tasks.get(t, {}).get("status") == "ok"],
-                         finetune_s=report.get("time_s") or sum(t.get("time_s", 0) for t in
-                                                                 (report.get("tasks") or {}).values()))
+                         finetune_s=sum(t.get("time_s") or 0 for t in (report.get("tasks") or {}).values()
+                                        if isinstance(t, dict)))
         # representation statistics from analysis.json (keys read with .get: the format may grow)
-        stamped = analysis.get("training_steps") if isinstance(analysis.get("training_steps"), dict) else {}
-        a = (analysis.get("models") or {}).get(name) if step is not None and stamped.get(name) == step else None
+        stamped = analysis.get("exports") if isinstance(analysis.get("exports"), dict) else {}
+        made_from = export_id(run_dir)
+        a = (analysis.get("models") or {}).get(name) if made_from is not None and stamped.get(name) == made_from \
+            else None
         a = a if isinstance(a, dict) else {}
         ctx = a.get("contextual") or {}
         sims = a.get("self_similarity_per_layer")
@@ -676,23 +687,28 @@ def parse(argv):
     p.add_argument("--only", default="", help=f"comma list of stages ({','.join(STAGES)}) and/or runs "
                    f"({','.join(SCRATCH + list(CONTINUED))}); default everything. Runs narrow pretraining, "
                    f"continuation and GLUE; the analysis and the report cover every finished run")
+    p.add_argument("--nproc_per_node", type=int, default=1, help="processes per pretraining run, through torchrun "
+                   "(one per GPU of this node); the tokens per step stay the scale's")
     p.add_argument("--dry_run", action="store_true", help="print the commands, run nothing, write nothing")
     p.add_argument("--python", default=sys.executable, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.p, scale = p, SCALES[args.scale]
-    for flag in ("steps", "extra_steps"):
+    if "RANK" in os.environ:
+        p.error("reproduce.py starts its own processes: run it with python, not torchrun, and pass "
+                "--nproc_per_node N to pretrain on N GPUs")
+    for flag in ("steps", "extra_steps", "nproc_per_node"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             p.error(f"--{flag} {getattr(args, flag)}: must be >= 1")
     args.steps = args.steps or scale["steps"]
     args.extra_steps = args.extra_steps or scale["extra_steps"]
     # eval.py's spelling ("STS-B" -> "stsb"), checked here: a bad name must not cost the pretraining first
-    args.tasks = ",".join(t.strip().lower().replace("-", "") for t in (args.tasks or scale["tasks"]).split(",")
-                          if t.strip())
+    args.tasks = ",".join(dict.fromkeys(t.strip().lower().replace("-", "") for t in
+                                        (args.tasks or scale["tasks"]).split(",") if t.strip()))
     unknown = [t for t in args.tasks.split(",") if t not in PRIMARY]
     if unknown or not args.tasks:
         p.error(f"--tasks: unknown GLUE task {(unknown or [''])[0]!r} (choose from {', '.join(PRIMARY)})")
     seeds = [x.strip() for x in (args.seeds or scale["seeds"]).split(",")]
-    if not all(x.isdigit() for x in seeds) or len({int(x) for x in seeds}) != len(seeds):
+    if not all(x.isascii() and x.isdigit() for x in seeds) or len({int(x) for x in seeds}) != len(seeds):
         p.error(f"--seeds {args.seeds}: expected distinct comma-separated integers >= 0, e.g. 1,2")
     args.seeds = ",".join(str(int(x)) for x in seeds)  # as eval.py writes them: "1, 02" is "1,2"
     if args.glue_dir and not os.path.isdir(args.glue_dir):
@@ -706,9 +722,11 @@ def parse(argv):
         value = getattr(args, name)
         if value and (os.path.exists(value) or name in ("out_dir", "cache_dir")):
             setattr(args, name, os.path.abspath(value))
+    if any(c in args.data for c in "*?[") and not os.path.isabs(os.path.expanduser(args.data)):  # a local glob
+        args.data = os.path.join(glob.escape(os.getcwd()), args.data)  # (config.data_path's rule)
 
     objectives = [o.strip() for o in args.objectives.split(",") if o.strip()]
-    unknown = [o for o in objectives if o not in SCRATCH + ["tacl"]]
+    unknown = [o for o in objectives if o not in SCRATCH + ["tacl"]] or ([] if objectives else [args.objectives])
     if unknown:
         p.error(f"unknown objective {unknown[0]!r} (choose from {', '.join(SCRATCH + ['tacl'])})")
     args.runs = [o for o in SCRATCH if o in objectives or (o == "mlm" and "tacl" in objectives)]

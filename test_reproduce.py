@@ -5,6 +5,7 @@ import json
 import math
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -138,7 +139,9 @@ def test_bad_input_is_refused_before_any_work(tmp_path):
     out = tmp_path / "repro"
     for argv, needle in ((["--tasks", "cola,bogus"], "unknown GLUE task 'bogus'"), (["--seeds", "1,x"], "--seeds"),
                          (["--steps", "0"], "--steps 0"), (["--glue_dir", str(tmp_path / "nowhere")], "--glue_dir"),
-                         (["--objectives", "taco", "--only", "mlm"], "not one of the runs")):
+                         (["--objectives", "taco", "--only", "mlm"], "not one of the runs"),
+                         (["--seeds", "1,\u00b2"], "--seeds"), (["--objectives", ","], "unknown objective"),
+                         (["--nproc_per_node", "0"], "--nproc_per_node 0")):
         assert needle in reproduce_error([*argv, "--out_dir", str(out)], tmp_path)
     assert not (out / "mlm").exists()
     (tmp_path / "file").write_text("x")
@@ -161,14 +164,18 @@ def test_bad_input_is_refused_before_any_work(tmp_path):
 
 
 def test_a_finished_run_without_its_checkpoint_is_kept(tmp_path):
+    # train.py writes the export, then ckpt.pt: a kill during a run's last save (a continuation's first) leaves
+    # a finished export without ckpt.pt, which is all that GLUE, the analysis and --init_from read
     out = tmp_path / "repro"
     (out / "mlm").mkdir(parents=True)
     (out / "reproduce.json").write_text(json.dumps(SETTINGS))
     (out / "mlm" / "log.jsonl").write_text(json.dumps({"step": 20, "val_mlm_loss": 6.0}) + "\n")
     (out / "mlm" / "config.json").write_text(json.dumps({"training_step": 20}))
     (out / "mlm" / "glue.json").write_text("{}")
-    line = reproduce_error(["--out_dir", str(out), "--only", "pretrain,mlm"], tmp_path)
-    assert "finished its 20 steps but its ckpt.pt is gone" in line and (out / "mlm" / "glue.json").exists()
+    proc = subprocess.run([sys.executable, "reproduce.py", "--out_dir", str(out), "--only", "pretrain,mlm"],
+                          cwd=HERE, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "[mlm] pretrained already" in proc.stdout, proc.stderr
+    assert (out / "mlm" / "glue.json").exists()
     # killed after its last evaluation, before its last save: never saved, so it starts again
     for export in ({"training_step": 10}, None):
         (out / "mlm" / "config.json").unlink(missing_ok=True)
@@ -190,7 +197,7 @@ def test_a_run_is_finished_when_its_export_holds_the_last_step(tmp_path):
         (run / "config.json").write_text(json.dumps({"training_step": exported}))
         assert reproduce.run_finished(str(run), 20) is done, exported
     (run / "ckpt.pt").unlink()
-    assert not reproduce.run_finished(str(run), 20)
+    assert reproduce.run_finished(str(run), 20)  # killed while writing ckpt.pt after the last export
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux's")
@@ -380,7 +387,7 @@ else:
         if i == int(os.environ.get("FAKE_GLUE_FAIL_AFTER", 99)):
             sys.exit(1)
         scores = dict(mcc=50.0, spearman=60.0, acc=70.0, f1=80.0, acc_m=90.0)
-        tasks[task] = {"status": "ok", "runs": {str(s): {"seed": s, "scores": scores} for s in seeds}}
+        tasks[task] = {"status": "ok", "runs": {str(s): {"seed": s, "scores": scores} for s in seeds}, "time_s": 1.0}
         json.dump({"seeds": seeds, "tasks": tasks, "time_s": 1.0}, open(os.path.join(out, "glue.json"), "w"))
 '''
 
@@ -452,7 +459,7 @@ def test_glue_and_analysis_wait_for_a_run_to_finish(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert [c[:2] for c in called(calls, "train")] == [["train.py", "--resume"]]
     assert [c[c.index("--model") + 1] for c in called(calls, "glue")] == [str(taco)]
-    assert json.loads((out / "analysis" / "analysis.json").read_text())["training_steps"] == {"mlm": 20, "taco": 20}
+    assert json.loads((out / "analysis" / "analysis.json").read_text())["exports"] == {"mlm": "-@20", "taco": "-@20"}
     results = json.loads((out / "results.json").read_text())
     assert results["runs"]["taco"]["glue"]["tasks"]["cola"]["status"] == "ok" and "| taco |" in proc.stdout
     # an export that moves (a run trained further by hand) makes its GLUE and analysis stale
@@ -491,12 +498,15 @@ def test_continuations_start_from_the_finished_mlm_run(tmp_path):
     make_run(out, "mlm", 20)
     proc, calls = fake_reproduce(tmp_path, "--objectives", "tacl", "--only", "continue,tacl")
     assert proc.returncode == 0 and [c[c.index("--init_from") + 1] for c in calls] == [str(out / "mlm")]
-    assert json.loads((out / "tacl" / "reproduce_init.json").read_text()) == {"mlm_step": 20}
-    # a continuation begun from another mlm step (an earlier version's, from a killed mlm run) is refused
-    make_run(out, "tacl", 5)
-    (out / "tacl" / "reproduce_init.json").write_text(json.dumps({"mlm_step": 15}))
-    proc, calls = fake_reproduce(tmp_path, "--objectives", "tacl", "--only", "continue,tacl")
-    assert proc.returncode == 1 and "continued from the mlm run's step 15" in proc.stderr and not calls
+    init = json.loads((out / "tacl" / "reproduce_init.json").read_text())
+    assert init["mlm_export"] == "-@20" and len(init["run_id"]) == 12
+    # a continuation begun from another mlm step (an earlier version's, from a killed mlm run) is refused,
+    # whether it is still running or has finished
+    for step in (5, 10):
+        make_run(out, "tacl", step)
+        (out / "tacl" / "reproduce_init.json").write_text(json.dumps({"mlm_export": "-@15"}))
+        proc, calls = fake_reproduce(tmp_path, "--objectives", "tacl", "--only", "continue,tacl")
+        assert proc.returncode == 1 and "continued from another mlm run or step" in proc.stderr and not calls
 
 
 def test_glue_needs_every_task_and_a_stopped_glue_keeps_its_tasks(tmp_path):
@@ -529,7 +539,7 @@ def test_glue_needs_every_task_and_a_stopped_glue_keeps_its_tasks(tmp_path):
     assert proc.returncode == 0 and [c[c.index("--tasks") + 1] for c in calls] == ["stsb"], proc.stderr
     report = json.loads((run / "glue.json").read_text())
     assert {t: r["training_step"] for t, r in report["tasks"].items()} == {"cola": 20, "stsb": 20}
-    assert report["time_s"] == 2.0 and not (run / "glue.part").exists()
+    assert not (run / "glue.part").exists()
     times = json.loads((run / "reproduce_time.json").read_text())
     assert times["glue"] > 0  # the failed call's time too
 
@@ -580,6 +590,58 @@ def test_a_dry_run_writes_nothing_and_ctrl_c_is_one_line(tmp_path, monkeypatch, 
         reproduce.main(["--out_dir", str(tmp_path / "repro")])
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 130 and "interrupted" in err and "\n" not in err
+
+
+def test_a_dry_run_merges_no_glue_part_and_a_part_absorbed_twice_counts_once(tmp_path):
+    out = tmp_path / "repro"
+    out.mkdir()
+    (out / "reproduce.json").write_text(json.dumps(SETTINGS))
+    run = make_run(out, "mlm", 20)
+    (run / "glue.part").mkdir()
+    part = {"seeds": [1, 2], "tasks": {"cola": {"status": "ok", "runs": {}, "time_s": 5.0}}}
+    (run / "glue.part" / "glue.json").write_text(json.dumps(part))
+    (run / "glue.part" / "stamp.json").write_text(json.dumps({"training_step": 20}))
+    proc, calls = fake_reproduce(tmp_path, "--objectives", "mlm", "--only", "glue", "--dry_run")
+    assert proc.returncode == 0 and not calls and not (run / "glue.json").exists() and (run / "glue.part").exists()
+    reproduce.absorb_glue(str(run))
+    (run / "glue.part").mkdir()  # killed after the merge, before glue.part was removed: merged again
+    (run / "glue.part" / "glue.json").write_text(json.dumps(part))
+    (run / "glue.part" / "stamp.json").write_text(json.dumps({"training_step": 20}))
+    reproduce.absorb_glue(str(run))
+    args = reproduce.argparse.Namespace(scale="toy", data="", seed=1, tasks="cola,stsb", seeds="1,2",
+                                        out_dir=str(out), steps=20, extra_steps=10)
+    assert reproduce.collect(args, ["mlm"])["runs"]["mlm"]["glue"]["finetune_s"] == 5.0
+
+
+def test_a_run_trained_again_makes_what_was_built_on_it_stale(tmp_path):
+    # mlm deleted and pretrained again ends at the same step: its analysis and the continuations made from the
+    # old one must not pass for the new one's
+    out = tmp_path / "repro"
+    proc, calls = fake_reproduce(tmp_path, "--objectives", "tacl", "--tasks", "cola")
+    assert proc.returncode == 0 and len(called(calls, "train")) == 3, proc.stderr
+    shutil.rmtree(out / "mlm")
+    proc, calls = fake_reproduce(tmp_path, "--objectives", "tacl", "--tasks", "cola")
+    assert proc.returncode == 1 and "tacl was continued from another mlm run" in proc.stderr, proc.stderr
+    shutil.rmtree(out / "tacl")
+    shutil.rmtree(out / "mlm_cont")
+    proc, calls = fake_reproduce(tmp_path, "--objectives", "tacl", "--tasks", "cola")
+    assert proc.returncode == 0 and len(called(calls, "train")) == 2 and len(called(calls, "analysis")) == 1
+    results = json.loads((out / "results.json").read_text())
+    assert results["runs"]["mlm"]["analysis"]["contextual"] == 0.5  # the new analysis is the one reported
+
+
+def test_relative_data_globs_and_torchrun(tmp_path, monkeypatch):
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "a.txt").write_text("Some text.\n")
+    monkeypatch.chdir(tmp_path)
+    args = reproduce.parse(["--data", "shards/*.txt", "--out_dir", "o"])
+    assert args.data == os.path.join(str(tmp_path), "shards/*.txt")  # train.py runs in the repo's folder
+    proc = subprocess.run([sys.executable, "reproduce.py", "--dry_run", "--nproc_per_node", "2", "--only", "mlm",
+                           "--out_dir", str(tmp_path / "o")], cwd=HERE, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "-m torch.distributed.run --standalone --nproc_per_node=2 train.py --objective " \
+        "mlm" in proc.stdout, proc.stderr
+    monkeypatch.setenv("RANK", "0")  # started by torchrun: each rank would run the whole reproduction
+    assert "not torchrun" in reproduce_error(["--out_dir", str(tmp_path / "o")], tmp_path)
 
 
 def test_a_failed_or_stopped_call_counts_its_time(tmp_path):
