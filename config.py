@@ -3,7 +3,8 @@ train.py's flags: the TrainConfig fields, the presets (with the source of each v
 parsing and checking. --help prints them with the chosen preset's values and sources.
 
     cfg, given = parse_args(["--objective", "taco", "--preset", "small"])
-    validate(cfg)  # every flag checked once, before anything is read or written
+    validate(cfg)  # every flag's value, before the run writes anything (checks that need the data, the
+                   # checkpoint's model or the world size follow in train.py, before the first step)
 """
 import argparse
 import glob
@@ -142,8 +143,11 @@ def parse_value(name, typ, text):
 
 def print_help(spec, argv, usage):
     """Each flag with the chosen preset's value (--preset NAME before or after --help) and its source."""
-    preset = next((a.partition("=")[2] or (argv[i + 1] if i + 1 < len(argv) else "") for i, a in enumerate(argv)
-                   if a.partition("=")[0] == "--preset"), TrainConfig.preset)
+    preset = TrainConfig.preset
+    for i, arg in enumerate(argv):  # the last --preset wins, as in parse_args
+        name, eq, value = arg.partition("=")
+        if name == "--preset":
+            preset = value if eq else argv[i + 1] if i + 1 < len(argv) else ""
     values, sources = {**PRESETS.get(preset, {}), "preset": preset}, PRESET_SOURCES.get(preset, {})
     print(usage or __doc__)
     print(f"flags, with the values of --preset {preset} (choices: {', '.join(PRESETS)}):")
@@ -239,7 +243,7 @@ def pool_problem(cfg, pool):
     return None
 
 def validate(cfg):
-    """Every flag checked once, before anything is loaded or written: a violation is a ValueError
+    """Every flag's value checked once, before the run writes anything: a violation is a ValueError
     naming the flag, its value and what is allowed (main() prints it as one `error:` line, exit 2)."""
     from losses import LOSSES
 

@@ -278,6 +278,17 @@ def test_checkpoint_holds_only_safe_types(corpus, cache, tmp_path, capsys):
 
 # ---- 4. the run directory is one consistent unit
 
+def test_a_lowered_batch_size_says_why(corpus, cache, tmp_path, capsys):
+    # 6 sequences fit tokens_per_step 256 at seq 32; whole pools of 4 lower them to 4, with 2 micro-steps
+    code, out, err = run_main(flags(corpus, cache, tmp_path / "run", objective="taco", batch_size=6, negative_pool=4,
+                                    taco_negatives=8, max_steps=2), capsys)
+    assert code == 0, err
+    assert "batch_size 6 -> 4 per process: whole pools of --negative_pool 4\n" in out
+    code, out, err = run_main(flags(corpus, cache, tmp_path / "run2", batch_size=16, max_steps=2), capsys)
+    assert code == 0 and "batch_size 16 -> 8 per process: 1 process(es) x 16 sequences would exceed " \
+        "tokens_per_step 256\n" in out, err
+
+
 def test_resume_keeps_the_runs_own_tokenizer_when_the_cache_is_gone(corpus, tmp_path, capsys):
     own_cache, out_dir = tmp_path / "cache", tmp_path / "run"
     code, _, err = run_main(flags(corpus, own_cache, out_dir, max_steps=10), capsys)

@@ -81,6 +81,9 @@ def test_cache_dir_is_absolute(tmp_path, monkeypatch):
 def test_help_lists_fields_with_comments():
     out = subprocess.run([sys.executable, "train.py", "--help"], cwd=HERE, capture_output=True, text=True)
     assert out.returncode == 0 and "--taco_negatives" in out.stdout and "K negatives" in out.stdout
+    out = subprocess.run([sys.executable, "train.py", "--help", "--preset", "small", "--preset=base"], cwd=HERE,
+                         capture_output=True, text=True)
+    assert "values of --preset base" in out.stdout  # the last --preset wins, as when training
 
 
 def test_help_into_a_closed_pipe_is_quiet():

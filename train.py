@@ -74,14 +74,13 @@ def step_seed(seed, step, micro_index, stream=0):
 def micro_batching(cfg, world):
     """(sequences per micro-step per process, micro-steps per optimizer step). tokens_per_step fixes
     the global batch; batch_size is a memory cap, lowered when `world` processes would exceed it."""
-    batch_size = min(cfg.batch_size, max(1, cfg.tokens_per_step // (cfg.seq_len * world)))
+    batch_size = cap = min(cfg.batch_size, max(1, cfg.tokens_per_step // (cfg.seq_len * world)))
     if cfg.negative_pool and cfg.objective in ("taco", "cocolm"):
         # whole pools per process, so the negatives (and the objective) are the same on any layout
         batch_size -= batch_size % cfg.negative_pool
         if batch_size == 0:
             raise ValueError(f"--negative_pool {cfg.negative_pool} needs that many sequences per process and "
-                             f"micro-step; --batch_size {cfg.batch_size} with {world} process(es) allows "
-                             f"{min(cfg.batch_size, cfg.tokens_per_step // (cfg.seq_len * world))}")
+                             f"micro-step; --batch_size {cfg.batch_size} with {world} process(es) allows {cap}")
     problem = pool_problem(cfg, cfg.negative_pool or batch_size)  # what each process gets
     if problem:
         name, why = problem
@@ -351,6 +350,7 @@ def evaluate(model, objective, val_loader, cfg, device, autocast):
 
 def main(argv=None):
     lock = made = None
+    rank = int(os.environ.get("RANK", 0))  # torchrun's; errors are printed once, by rank 0
     try:
         cfg, given = parse_args(sys.argv[1:] if argv is None else argv, usage=__doc__)
         if cfg.init_from and "model_size" in given:
@@ -360,20 +360,19 @@ def main(argv=None):
         if cfg.resume:
             cfg, ckpt = resume_config(cfg, given)
         validate(cfg)
-        if int(os.environ.get("RANK", 0)) == 0:
+        if rank == 0:
             made = None if os.path.isdir(cfg.out_dir) else cfg.out_dir
             lock = take_lock(cfg.out_dir)  # before anything is written there
             remove_partial_writes(cfg.out_dir)
         code = train(cfg, ckpt)
     except ValueError as e:  # bad input: one clear line, exit 2, nothing saved is touched
-        rank = int(os.environ.get("RANK", 0))
         if rank == 0:  # once, not once per DDP rank: most bad input is the same on every rank
             sys.stderr.write(f"error: {e}\n")
         elif isinstance(e, RankError) or int(os.environ.get("LOCAL_RANK", 0)) == 0:
             sys.stderr.write(f"error (rank {rank}): {e}\n")  # its own GPU; another node's disk
         sys.exit(2)
     except (Diverged, SaveFailed) as e:
-        if int(os.environ.get("RANK", 0)) == 0:
+        if rank == 0:
             print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:  # before the training loop, which handles its own
@@ -439,13 +438,16 @@ def train(cfg, ckpt=None):
         if init_model.fresh_head and master and cfg.objective in ("mlm", "taco", "tacl"):
             print(f"note: {cfg.init_from} has no MLM head that its run trained (a BertModel, or an ELECTRA / COCO-LM "
                   f"run): the head starts untrained or stale")
-    max_pos = init_model.config.max_position_embeddings if init_model else 512
+    max_pos = (init_model.config if init_model else BertConfig).max_position_embeddings
     if cfg.seq_len > max_pos:
         raise ValueError(f"seq_len {cfg.seq_len} exceeds the model's max_position_embeddings {max_pos}")
     batch_size, grad_accum = micro_batching(cfg, world)
     if batch_size != cfg.batch_size and master:
-        print(f"batch_size {cfg.batch_size} -> {batch_size} per process: {world} processes x {cfg.batch_size} "
-              f"sequences would exceed tokens_per_step {cfg.tokens_per_step}")
+        cap = cfg.tokens_per_step // (cfg.seq_len * world)
+        why = [f"{world} process(es) x {cfg.batch_size} sequences would exceed tokens_per_step {cfg.tokens_per_step}"
+               if cfg.batch_size > cap else None,
+               f"whole pools of --negative_pool {cfg.negative_pool}" if batch_size != min(cfg.batch_size, max(1, cap)) else None]
+        print(f"batch_size {cfg.batch_size} -> {batch_size} per process: {'; '.join(w for w in why if w)}")
     cfg.batch_size = batch_size
 
     # ---- data: rank 0 tokenizes into the cache, the others then read the cache. A resumed run
@@ -555,8 +557,8 @@ def train(cfg, ckpt=None):
         repair_log(log_path)
         log_file = open(log_path, "a")
         # the code that ran, for each segment of the run: a resume's local changes go to code-step{N}.diff
-        start = {"config": asdict(cfg), "provenance": provenance(cfg.out_dir, f"code-step{step}.diff" if ckpt
-                                                                 else "code.diff")}
+        diff_name = f"code-step{step}.diff" if ckpt else "code.diff"
+        start = {"config": asdict(cfg), "provenance": provenance(cfg.out_dir, diff_name)}
         start.update({"resumed_from_step": step} if ckpt else {"model_config": asdict(model_config)})
         log_file.write(json.dumps(start) + "\n")
         log_file.flush()
@@ -590,12 +592,12 @@ def train(cfg, ckpt=None):
 
     first_bad = torch.full((), NOT_YET, dtype=torch.long, device=device)  # first step with a non-finite loss/grad norm
 
-    def check_finite(metrics, collective=True, weights=False):
+    def check_finite(metrics, weights=False):
         """Stop with Diverged on a non-finite loss / grad norm since the last check (the device-side
         first_bad, read here only: at log steps and before saves, so no host sync per step); before
-        a save (`weights`), the weights too. `collective`: all ranks check at this step and stop together."""
+        a save (`weights`), the weights too. Collective: all ranks check at the same step and stop together."""
         bad = first_bad.clone()
-        if ddp and collective:
+        if ddp:
             dist.all_reduce(bad, op=dist.ReduceOp.MIN)
         bad = int(bad)
         if bad == NOT_YET and weights and not torch.stack([torch.isfinite(p).all() for p in params]).all():
@@ -613,10 +615,11 @@ def train(cfg, ckpt=None):
                            + (f"python train.py --resume {cfg.out_dir} --lr {cfg.lr / 2:.3g}" if saved_step else
                               f"--lr {cfg.lr / 2:.3g}"))
 
-    def save_checkpoint(metrics, collective=True):
+    def save_checkpoint(metrics):
         nonlocal saved_step
-        check_finite(metrics, collective, weights=True)  # a diverged run never overwrites the last good checkpoint
-        if not master:  # one writer: the ranks hold the same weights, and the loader state is global
+        check_finite(metrics, weights=True)  # a diverged run never overwrites the last good checkpoint
+        if not master:
+            saved_step = step  # one writer: the ranks hold the same weights, and the loader state is global
             return
         # the export first, then ckpt.pt (what --resume trusts, and it rewrites an export of another step)
         try:
@@ -740,7 +743,7 @@ def train(cfg, ckpt=None):
         if stop:  # between two steps: every rank holds the weights of `step`, rank 0 saves them
             name = signal.Signals(stop[0]).name
             if step > saved_step:
-                save_checkpoint(metrics, collective=False)
+                save_checkpoint(metrics)
             if master:
                 print(f"{name}: stopped after step {step}; " + (
                       f"{cfg.out_dir}/ckpt.pt holds step {saved_step}: {'torchrun ... ' if ddp else 'python '}"
@@ -762,8 +765,8 @@ def train(cfg, ckpt=None):
     if master:
         print(f"done: steps {first_step} -> {step} in {duration(time.time() - t0)}. In {cfg.out_dir}: ckpt.pt "
               f"(step {step}, for --resume), model.safetensors + config.json (Hugging Face export, for eval.py --model), "
-              f"tokenizer.json + vocab.txt, log.jsonl" + (", code.diff" if os.path.isfile(
-                  os.path.join(cfg.out_dir, "code.diff")) else ""))
+              f"tokenizer.json + vocab.txt, log.jsonl" + (f", {diff_name}" if os.path.isfile(
+                  os.path.join(cfg.out_dir, diff_name)) else ""))
     return 0
 
 
