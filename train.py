@@ -67,7 +67,8 @@ def step_seed(seed, step, micro_index, stream=0):
     # every micro-batch's random draws come from generators seeded by (seed, step, global micro-batch
     # index): stream 0 is the objective's (masks, negatives, samples), stream 1 torch's global RNG
     # (dropout). Resuming needs no RNG state, and two DDP ranks draw exactly what one process
-    # accumulating two micro-batches draws. Tuples of ints hash the same in every process.
+    # accumulating two micro-batches draws. Tuples of ints hash the same in every process (CPython >= 3.8,
+    # 64-bit: a resume on another build would draw other masks, not wrong ones).
     return hash((seed, step, micro_index, stream)) % (2 ** 62)
 
 
