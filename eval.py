@@ -264,10 +264,12 @@ def load_task(task, glue_dir=None, test=False):
         splits = {k: read_tsv(p, task) for k, p in paths.items()}
         test_sets = {}
         for stem, (rel, _, _) in tests.items():
-            path = os.path.join(glue_dir, *rel.split("/"))
-            test_sets[stem] = read_tsv(path, task, test=True) if os.path.isfile(path) else f"no {rel} in {glue_dir}"
-            if not isinstance(test_sets[stem], str) and len(test_sets[stem]) == 0:
-                test_sets[stem] = f"{rel} in {glue_dir} has no rows"
+            path = os.path.join(glue_dir, rel)
+            if not os.path.isfile(path):
+                test_sets[stem] = f"no {rel} in {glue_dir}"
+                continue
+            ds = read_tsv(path, task, test=True)
+            test_sets[stem] = ds if len(ds) else f"{rel} in {glue_dir} has no rows"
     else:  # needs internet (or the hub cache) and is never exercised by the tests
         hub = {task.name: load_hub(task.name)}
         names = dict(zip(task.hub_text, ("text_a", "text_b")))
@@ -315,8 +317,8 @@ def encode_task(tok, ds, max_len, cls_id, sep_id, regression=False):
     pairs longest-first as Hugging Face's (Rust) tokenizers do: the shorter side keeps up to half the
     budget, the longer side the rest (on a tie, A counts as the shorter)."""
     a = [e.ids for e in tok.encode_batch(ds["text_a"], add_special_tokens=False)]
-    pair = "text_b" in ds.column_names
-    b = [e.ids for e in tok.encode_batch(ds["text_b"], add_special_tokens=False)] if pair else None
+    b = ([e.ids for e in tok.encode_batch(ds["text_b"], add_special_tokens=False)]
+         if "text_b" in ds.column_names else None)
     ids, seg = [], []
     for i, ids_a in enumerate(a):
         if b is None:
@@ -409,12 +411,12 @@ def recipe_runs(task, recipe, size, overrides=None, num_combos=NUM_COMBOS, grid_
     paper + small: Table 7's one recipe; paper + base: num_combos draws from Table 8's grid, seeded
     by (grid_seed, task name); uniform: UNIFORM[size]. Flags given (overrides) win in every run."""
     if recipe == "uniform":
-        runs, shared = [dict(UNIFORM[size])], SHARED
+        runs = [UNIFORM[size]]
     elif size == "small":
-        runs, shared = [dict(SMALL[task.name])], SHARED
+        runs = [SMALL[task.name]]
     else:
-        runs, shared = sample_grid(BASE_GRID[task.name], num_combos, [grid_seed, zlib.crc32(task.name.encode())]), SHARED
-    return [{**shared, **run, **(overrides or {})} for run in runs]
+        runs = sample_grid(BASE_GRID[task.name], num_combos, [grid_seed, zlib.crc32(task.name.encode())])
+    return [{**SHARED, **run, **(overrides or {})} for run in runs]
 
 
 def schedule_steps(hp, n_train, n_full, warmup_flag=False):
@@ -491,20 +493,20 @@ def predict(model, enc, pad_id, device, batch_size=128, bf16=False):
     return out
 
 
-def finetune(base, task, data, hp, seed, device, pad_id, warmup, group_by_length=False, log=print):
-    """Fine-tune a copy of `base` on data["train"] (Encoded) for hp's epochs with `warmup` linear warm-up
-    steps, then linear decay to 0 (Table 6). Returns the model and the dev scores after each epoch
-    (with "collapsed": the dev predictions were one constant or not finite, so correlations are undefined)."""
+def finetune(base, task, data, hp, seed, device, pad_id, total, warmup, group_by_length=False, log=print):
+    """Fine-tune a copy of `base` on data["train"] (Encoded) for hp's epochs: `total` steps, the first
+    `warmup` (< total, schedule_steps) a linear warm-up, then linear decay to 0 (Table 6). Returns the
+    model and the dev scores after each epoch (with "collapsed": the dev predictions were one constant
+    or not finite, so correlations are undefined)."""
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     model = GlueModel(copy.deepcopy(base), task.num_labels, hp["dropout"]).to(device)
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]  # no decay on biases and LayerNorms
-    rest = [p for n, p in model.named_parameters() if p.ndim < 2]
+    decay = [p for p in model.parameters() if p.ndim >= 2]  # no decay on biases and LayerNorms
+    rest = [p for p in model.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([dict(params=decay, weight_decay=hp["weight_decay"]), dict(params=rest, weight_decay=0.0)],
                             lr=hp["lr"], betas=(0.9, 0.999), eps=1e-8, fused=device.type == "cuda")
     train, bf16 = data["train"], hp["precision"] == "bf16"
-    total = math.ceil(len(train.lengths) / hp["batch_size"]) * hp["epochs"]
-    schedule = lambda step: step / warmup if step < warmup else max(0.0, (total - step) / max(1, total - warmup))
+    schedule = lambda step: step / warmup if step < warmup else (total - step) / (total - warmup)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     history = []
     for epoch in range(hp["epochs"]):
@@ -608,12 +610,12 @@ def glue_table(report, compare=False):
                                ["–" if a is None else f"{a:.1f}" for a in avgs], marks))
     for label, numbers, paper_avg in PAPER_ROWS if compare else []:
         values = dict(zip(AVG9, numbers))
-        column = 1 if values[("mnli", "acc_mm")] is None else 0  # which way this table averages
-        keys = (AVG9, AVG8)[column]
+        tab3 = values[("mnli", "acc_mm")] is None  # Tab. 3 prints MNLI-m only: its Avg. is over 8
+        keys = AVG8 if tab3 else AVG9
         avg = like_for_like(values, keys, present)
-        whole = len([k for k in keys if k in present]) == len(keys)
-        cell = "–" if avg is None else f"{paper_avg:.1f}" if whole else f"{avg:.1f} (all: {paper_avg:.1f})"
-        lines.append(table_row(label, values, [cell, "–"] if column == 0 else ["–", cell]))
+        cell = ("–" if avg is None else f"{paper_avg:.1f}" if all(k in present for k in keys)
+                else f"{avg:.1f} (all: {paper_avg:.1f})")
+        lines.append(table_row(label, values, ["–", cell] if tab3 else [cell, "–"]))
     lines += ["", "Avg of 9 (Tab. 1 way): TACO's small-model Avg., the mean of MNLI-m, MNLI-mm, QQP F1, QNLI, SST-2, "
               "CoLA, STS-B Spearman, MRPC F1 and RTE (WNLI left out). Avg of 8 (Tab. 3 way): its base-model Avg., "
               "MNLI-m only. Each average covers only the tasks scored here, on our rows and the paper's alike; "
@@ -660,14 +662,13 @@ def glue_table(report, compare=False):
 def validate_args(args):
     """Every flag, checked before anything is loaded or written: a ValueError naming the flag, the
     value and what is allowed (main() prints it as one error: line and exits with status 2)."""
-    finite = lambda v: math.isfinite(v)
     checks = [  # (flag, allowed?, what is allowed)
         ("epochs", lambda v: v >= 1, "an integer >= 1"),
         ("batch_size", lambda v: v >= 1, "an integer >= 1"),
         ("max_len", lambda v: v >= 5, "an integer >= 5 (room for [CLS] A [SEP] B [SEP], a token of each)"),
-        ("lr", lambda v: finite(v) and v > 0, "a number > 0"),
-        ("warmup", lambda v: finite(v) and v >= 0, "steps >= 0, or a fraction of all steps if < 1"),
-        ("weight_decay", lambda v: finite(v) and v >= 0, "a number >= 0"),
+        ("lr", lambda v: math.isfinite(v) and v > 0, "a number > 0"),
+        ("warmup", lambda v: math.isfinite(v) and v >= 0, "steps >= 0, or a fraction of all steps if < 1"),
+        ("weight_decay", lambda v: math.isfinite(v) and v >= 0, "a number >= 0"),
         ("dropout", lambda v: 0 <= v < 1, "a probability in [0, 1)"),
         ("max_train_samples", lambda v: v >= 1, "an integer >= 1"),
         ("max_eval_samples", lambda v: v >= 1, "an integer >= 1"),
@@ -692,17 +693,14 @@ def validate_args(args):
     seeds = parse_seeds(args.seeds)
     if args.predict_seed is not None and args.predict_seed not in seeds:
         raise ValueError(f"--predict_seed {args.predict_seed}: must be one of --seeds {args.seeds}")
-    for flag in ("model", "plot_log"):
-        for path in getattr(args, flag) or []:
+    for flag in ("model", "plot_log", "glue_dir", "text"):
+        paths = getattr(args, flag) or []
+        for path in [paths] if isinstance(paths, str) else paths:
             if not os.path.exists(path):
                 raise ValueError(f"--{flag} {path}: no such file or directory")
     for path in args.plot_log or []:
         if os.path.isdir(path):
             raise ValueError(f"--plot_log {path}: a directory; pass its log file, e.g. {os.path.join(path, 'log.jsonl')}")
-    for flag in ("glue_dir", "text"):
-        path = getattr(args, flag)
-        if path is not None and not os.path.exists(path):
-            raise ValueError(f"--{flag} {path}: no such file or directory")
     if args.glue_dir is not None and not os.path.isdir(args.glue_dir):
         raise ValueError(f"--glue_dir {args.glue_dir}: not a directory (the folder holding CoLA/, SST-2/, ...)")
     if args.out is not None:
@@ -710,6 +708,10 @@ def validate_args(args):
         problem = dir_problem((os.path.dirname(args.out) or ".") if png else args.out)
         if problem:
             raise ValueError(f"--out {args.out}: {problem}")
+
+
+def subset(ds, n):  # a fixed random subset, not the first rows: CoLA's are sorted by source
+    return ds.shuffle(seed=0).select(range(min(n, len(ds))))
 
 
 def glue_task(task, raw, args, base, tok, size, overrides, seeds, device, out, model_dir, log=print):
@@ -723,18 +725,16 @@ def glue_task(task, raw, args, base, tok, size, overrides, seeds, device, out, m
     if args.max_eval_samples:
         raw["dev"] = {s: subset(ds, args.max_eval_samples) for s, ds in raw["dev"].items()}
     hps = recipe_runs(task, args.recipe, size, overrides, args.num_combos, args.grid_seed)
-    if args.max_len is None:  # a model pretrained on short blocks gets its own limit
-        hps = [dict(hp, max_len=min(hp["max_len"], cfg.max_position_embeddings)) for hp in hps]
-    if device.type != "cuda":  # bf16 autocast is CUDA-only here: glue.json records what ran
-        hps = [dict(hp, precision="fp32") for hp in hps]
     enc = lambda ds: encode_task(tok, ds, hps[0]["max_len"], cfg.cls_token_id, cfg.sep_token_id, task.labels is None)
     data = {"train": enc(raw["train"]), "dev": {s: enc(ds) for s, ds in raw["dev"].items()}}
-    tests = {stem: (ds["index"], enc(ds)) for stem, ds in raw.get("test", {}).items() if not isinstance(ds, str)}
-    for stem, reason in raw.get("test", {}).items():
-        if isinstance(reason, str):
-            log(f"warning: no {stem}.tsv: {reason}")
-            predictions[stem] = f"missing: {reason}"
-    t0, runs, best = time.time(), {}, None
+    tests = {}
+    for stem, ds in raw.get("test", {}).items():
+        if isinstance(ds, str):  # load_task's reason why this test set is absent
+            log(f"warning: no {stem}.tsv: {ds}")
+            predictions[stem] = f"missing: {ds}"
+        else:
+            tests[stem] = (ds["index"], enc(ds))
+    t0, runs, best_score, best_label, best_preds = time.time(), {}, None, None, None
     for k, hp in enumerate(hps):
         total, warmup, note = schedule_steps(hp, len(raw["train"]), n_full, args.warmup is not None)
         if note:
@@ -742,18 +742,19 @@ def glue_task(task, raw, args, base, tok, size, overrides, seeds, device, out, m
         for seed in seeds:
             run_seed = seed + 1000 * k  # Table 3: the combinations differ in seed too ("including random seeds")
             label = f"seed {seed}" if len(hps) == 1 else f"combo {k + 1} seed {run_seed}"
-            model, history = finetune(base, task, data, hp, run_seed, device, cfg.pad_token_id, warmup,
+            model, history = finetune(base, task, data, hp, run_seed, device, cfg.pad_token_id, total, warmup,
                                       args.group_by_length, lambda line: log(f"  {task.name} {label}: {line}"))
             runs[label] = dict(label=label, seed=run_seed, combo=k + 1, scores=history[-1]["scores"],
                                collapsed=history[-1]["collapsed"],
                                hparams=dict(hp, warmup_steps=warmup, total_steps=total), history=history)
-            main = float(np.mean([history[-1]["scores"][key] for key in MAIN[task.name]]))
+            dev_score = float(np.mean([history[-1]["scores"][key] for key in MAIN[task.name]]))
             # the model that predicts the test sets: the best run on dev (TACO Tables 1 and 4), of --predict_seed's
             chosen = args.predict_seed in (None, seed)
-            if (args.predict or args.save_model) and chosen and (best is None or main > best[0]):
+            if (args.predict or args.save_model) and chosen and (best_score is None or dev_score > best_score):
                 bf16 = hp["precision"] == "bf16"
-                best = (main, label, {stem: predict(model, test, cfg.pad_token_id, device, bf16=bf16)
-                                      for stem, (_, test) in tests.items()})
+                best_score, best_label = dev_score, label
+                best_preds = {stem: predict(model, test, cfg.pad_token_id, device, bf16=bf16)
+                              for stem, (_, test) in tests.items()}
                 if args.save_model:
                     save_classifier(model, task, os.path.join(out, "models", task.dir), model_dir)
             del model
@@ -766,21 +767,22 @@ def glue_task(task, raw, args, base, tok, size, overrides, seeds, device, out, m
         collapsed=[label for label, r in runs.items() if r["collapsed"]], time_s=time.time() - t0,
         **({"grid": BASE_GRID[task.name], "num_combos": len(hps)}
            if args.recipe == "paper" and size == "base" else {}))
-    if best is not None:
-        result["predicted_by"] = best[1]
+    if best_label is not None:
+        result["predicted_by"] = best_label
     for stem, (index, _) in tests.items():  # submission files, as soon as the task is done
         os.makedirs(out, exist_ok=True)
-        write_submission(os.path.join(out, stem + ".tsv"), task, index, best[2][stem])
-        predictions[stem] = dict(rows=len(index), model=f"{task.name} {best[1]}")
+        write_submission(os.path.join(out, stem + ".tsv"), task, index, best_preds[stem])
+        predictions[stem] = dict(rows=len(index), model=f"{task.name} {best_label}")
     return result, predictions
 
 
 def run_glue(args, log=print):
     validate_args(args)
-    if isinstance(args.model, list):  # the command line's --model takes several for --analysis
-        if len(args.model) != 1:
-            raise ValueError("GLUE takes one --model: a run directory, a Hugging Face BERT directory or a ckpt.pt")
-        args.model = args.model[0]
+    if not args.model:
+        raise ValueError("--model is required: a run directory, a Hugging Face BERT directory or a ckpt.pt")
+    if len(args.model) != 1:  # the command line's --model takes several for --analysis
+        raise ValueError("GLUE takes one --model: a run directory, a Hugging Face BERT directory or a ckpt.pt")
+    args.model = args.model[0]
     tasks, seeds = parse_tasks(args.tasks), parse_seeds(args.seeds)
     base = Bert.from_pretrained(args.model)  # ValueError on anything that is not a checkpoint
     model_dir = args.model if os.path.isdir(args.model) else os.path.dirname(os.path.abspath(args.model))
@@ -802,6 +804,11 @@ def run_glue(args, log=print):
                 "TACO Table 7, fixed per task" if size == "small" else
                 f"TACO Table 8, {args.num_combos} combinations per task drawn with --grid_seed {args.grid_seed}")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    fixed = dict(overrides)
+    if args.max_len is None:  # a model pretrained on short blocks gets its own limit
+        fixed["max_len"] = min(SHARED["max_len"], cfg.max_position_embeddings)
+    if device.type != "cuda":  # bf16 autocast is CUDA-only here: glue.json records what ran
+        fixed["precision"] = "fp32"
     out = args.out or model_dir
     problem = dir_problem(out)
     if problem:  # before any fine-tuning: the default --out is the model's own directory
@@ -824,10 +831,13 @@ def run_glue(args, log=print):
     def write_report(not_run=()):
         """glue.json and glue.md of the tasks done so far, rewritten after each task: a run stopped
         later keeps them. not_run: the tasks still to come."""
-        n_runs = len(next(r for r in results.values() if r["status"] == "ok")["runs"])
+        counts = {len(r["runs"]) for r in results.values() if r["status"] == "ok"}
+        n_runs = max(counts)
         combos = n_runs // len(seeds)
         runs_label = (f"seed {seeds[0]}" if n_runs == 1 else f"{len(seeds)} seeds" if combos == 1 else
                       f"{combos} combinations x {len(seeds)} seed{'s' * (len(seeds) > 1)}")
+        if len(counts) > 1:  # --num_combos beyond a task's grid: that task runs its whole grid
+            runs_label += " (fewer on tasks whose grid is smaller)"
         report = dict(name=os.path.basename(os.path.normpath(model_dir)), model=args.model, recipe=args.recipe,
                       model_size=size, protocol=protocol, seeds=seeds, runs_per_task=n_runs,
                       runs_label=runs_label, group_by_length=args.group_by_length, args=vars(args), device=str(device),
@@ -852,7 +862,7 @@ def run_glue(args, log=print):
                 results[task.name] = missing[task.name]
                 continue
             results[task.name], task_predictions = glue_task(task, loaded.pop(task.name), args, base, tok, size,
-                                                             overrides, seeds, device, out, model_dir, log)
+                                                             fixed, seeds, device, out, model_dir, log)
             predictions.update(task_predictions)
             write_report([t.name for t in tasks[i + 1:] if t.name not in missing])
     except KeyboardInterrupt:  # main() prints it as one line
@@ -863,10 +873,6 @@ def run_glue(args, log=print):
     written = [f"{stem}.tsv" for stem, p in predictions.items() if isinstance(p, dict)]
     log("\n" + table + f"\n\nwrote {os.path.join(out, 'glue.json')}, glue.md" + "".join(f", {w}" for w in written))
     return report
-
-
-def subset(ds, n):  # a fixed random subset, not the first rows: CoLA's are sorted by source
-    return ds.shuffle(seed=0).select(range(min(n, len(ds))))
 
 
 def build_parser():
@@ -932,9 +938,7 @@ def main(argv=None):
             analysis.plot_logs(args.plot_log, args.out)
         if args.analysis:
             analysis.run_analysis(args)  # reads args.glue_dir for its STS-B pairs
-        elif not args.plot_log:
-            if not args.model:
-                raise ValueError("--model is required: a run directory, a Hugging Face BERT directory or a ckpt.pt")
+        elif args.model or not args.plot_log:  # --plot_log alone only plots
             run_glue(args)
     except (ValueError, FileNotFoundError) as e:  # bad flag, bad checkpoint, malformed TSV: one line
         print(f"error: {e}", file=sys.stderr)

@@ -516,6 +516,18 @@ def test_analysis_gets_glue_dir(tmp_path, tiny_model_dir, monkeypatch):
     assert seen["glue_dir"] == str(tmp_path) and seen["model"] == [str(tiny_model_dir)]
 
 
+def test_plot_log_with_a_model_also_runs_glue(tmp_path, tiny_model_dir, monkeypatch):
+    seen = []
+    monkeypatch.setattr(ev.analysis, "plot_logs", lambda logs, out: seen.append("plot"))
+    monkeypatch.setattr(ev, "run_glue", lambda args: seen.append("glue"))
+    log = tmp_path / "log.jsonl"
+    log.write_text("")
+    ev.main(["--plot_log", str(log)])
+    assert seen == ["plot"]
+    ev.main(["--plot_log", str(log), "--model", str(tiny_model_dir)])  # was: GLUE silently skipped
+    assert seen == ["plot", "plot", "glue"]
+
+
 def test_error_not_a_checkpoint(tmp_path, capsys):
     (tmp_path / "notes.txt").write_text("hello")
     err = run_main_error(["--model", str(tmp_path), "--glue_dir", str(tmp_path)], capsys)
