@@ -386,19 +386,18 @@ def read_stsb(glue_dir=None):
     """(sentence1, sentence2, score) rows of the STS-B validation split: glue_dir/STS-B/dev.tsv, read
     as strictly as GLUE fine-tuning reads it, when glue_dir is given, else nyu-mll/glue from the hub.
     Raises ValueError saying why when neither can be read."""
-    from eval import TASKS, load_hub, read_tsv  # eval.py imports this module, so not at the top
     if glue_dir:
         path = os.path.join(glue_dir, "STS-B", "dev.tsv")
         if not os.path.isfile(path):
             raise ValueError(f"no STS-B/dev.tsv in --glue_dir {glue_dir}")
-        ds = read_tsv(path, TASKS["stsb"])
+        ds = data.read_tsv(path, data.TASKS["stsb"])
         return list(zip(ds["text_a"], ds["text_b"], ds["label"]))
     offline = any(os.environ.get(v, "") not in ("", "0") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
     # offline mode reads the local hub cache; otherwise, without a network the hub client would
     # retry for ~25 s: one 3 s probe fails faster
     if not offline and not _hub_reachable():
         raise ValueError("huggingface.co is unreachable (offline?) and no --glue_dir was given")
-    ds = load_hub("stsb")["validation"]
+    ds = data.load_hub("stsb")["validation"]
     return list(zip(ds["sentence1"], ds["sentence2"], ds["label"]))
 
 

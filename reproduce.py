@@ -88,7 +88,7 @@ SCALES = {
 PRIMARY = {"cola": "mcc", "sst2": "acc", "mrpc": "f1", "stsb": "spearman", "rte": "acc", "qnli": "acc",
            "qqp": "f1", "mnli": "acc_m", "wnli": "acc"}
 METRIC_NAMES = {"mcc": "MCC", "acc": "accuracy", "f1": "F1", "spearman": "Spearman", "acc_m": "matched accuracy"}
-# each task's folder of TSVs in --glue_dir (eval.py's Task.dir; test_reproduce.py checks they agree)
+# each task's folder of TSVs in --glue_dir (data.py's Task.dir; test_reproduce.py checks they agree)
 GLUE_DIRS = {"cola": "CoLA", "sst2": "SST-2", "mrpc": "MRPC", "stsb": "STS-B", "rte": "RTE", "qnli": "QNLI",
              "qqp": "QQP", "mnli": "MNLI", "wnli": "WNLI"}
 # the held-out metric that shows each objective learning on its own terms, and what it beats
@@ -202,7 +202,7 @@ def glue_todo(run_dir, tasks, seeds):
 
 
 def glue_absent(glue_dir, task):
-    """The TSVs of `task` that eval.py would not find in glue_dir (its load_task's paths), empty ones too."""
+    """The TSVs of `task` that eval.py would not find in glue_dir (data.load_task's paths), empty ones too."""
     stems = ["train"] + (["dev_matched", "dev_mismatched"] if task == "mnli" else ["dev"])
     paths = [os.path.join(GLUE_DIRS[task], stem + ".tsv") for stem in stems]
     return [p for p in paths if not os.path.isfile(os.path.join(glue_dir, p)) or

@@ -571,11 +571,11 @@ def test_a_glue_dir_without_the_tasks_is_refused_before_pretraining(tmp_path):
     (tmp_path / "glue").mkdir()
     line = reproduce_error(["--out_dir", str(tmp_path / "repro"), "--glue_dir", str(tmp_path / "glue")], tmp_path)
     assert "holds none of the tasks cola,stsb (no CoLA/train.tsv)" in line and not (tmp_path / "repro").exists()
-    import eval
-    assert reproduce.GLUE_DIRS == {name: task.dir for name, task in eval.TASKS.items()}
+    import data
+    assert reproduce.GLUE_DIRS == {name: task.dir for name, task in data.TASKS.items()}
     assert all(reproduce.glue_absent(str(tmp_path), t) == [os.path.join(task.dir, stem + ".tsv") for stem in
                                                            ["train"] + [s for s, _ in task.dev.values()]]
-               for t, task in eval.TASKS.items())
+               for t, task in data.TASKS.items())
 
 
 def test_a_dry_run_writes_nothing_and_ctrl_c_is_one_line(tmp_path, monkeypatch, capsys):
