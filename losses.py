@@ -1,5 +1,6 @@
 """
-Pretraining objectives, one nn.Module each, built as LOSSES[name](model, cfg) (cfg: config.TrainConfig,
+Pretraining objectives, one nn.Module each (MLM and TACO own no parameters; one interface lets train.py
+treat all five alike), built as LOSSES[name](model, cfg) (cfg: config.TrainConfig,
 where each hyperparameter's default and source are) and called as
 `loss, metrics = objective(model, batch, rng)`: MLM (Devlin et al., 2019), TACO (Fu et al., ACL 2022),
 TaCL (Su et al., Findings of NAACL 2022), COCO-LM (Meng et al., NeurIPS 2021) and ELECTRA (Clark et
@@ -104,8 +105,7 @@ def gather_positions(h, positions):
 def masked_mean(values, mask):
     # where, not a product: a NaN or inf at a masked-out position must not leak into the mean
     values = values if values.is_floating_point() else values.float()
-    mask = mask.to(values.dtype)
-    return torch.where(mask > 0, values, 0).sum() / mask.sum().clamp(min=1)
+    return torch.where(mask, values, 0).sum() / mask.sum().clamp(min=1)
 
 
 def cross_entropy(logits, labels):
@@ -124,13 +124,11 @@ def mlm_loss(model, h, input_ids, positions, labels, attention_mask=None, predic
     """L_MLM: cross-entropy of the BERT head on the selected slots only.
     predict_all adds TACO's "MLM+TP" ablation (§5.2): the original token at every unmasked,
     non-special position, as a second mean CE term tp_loss (full-width head, so it costs more)."""
-    labels = labels.flatten()
     logits = model.mlm_logits(gather_positions(h, positions))  # (B*K, V)
-    loss = cross_entropy(logits, labels)
-    metrics = dict(mlm_loss=loss.detach(), mlm_acc=accuracy(logits.detach(), labels))
+    loss = cross_entropy(logits, labels.flatten())
+    metrics = dict(mlm_loss=loss.detach(), mlm_acc=accuracy(logits.detach(), labels.flatten()))
     if predict_all:
-        used = labels.view_as(positions) != -100
-        selected = torch.zeros_like(input_ids, dtype=torch.bool).scatter(1, positions, used)
+        selected = torch.zeros_like(input_ids, dtype=torch.bool).scatter(1, positions, labels != -100)  # (B, T)
         targets = input_ids.masked_fill(selected | ~eligible_positions(input_ids, model.config, attention_mask), -100)
         # our reading of §5.2 (its weighting is not in the official code): a second mean CE, added
         tp_loss = cross_entropy(model.mlm_logits(h.flatten(0, 1)), targets.flatten())
@@ -147,42 +145,6 @@ def upcast(t):
 def masked_bce(logits, targets, mask):
     bce = F.binary_cross_entropy_with_logits(logits, targets.to(logits.dtype), reduction="none")
     return masked_mean(bce, mask)
-
-
-def binary_entropy(p):
-    """The BCE of always predicting the rate p itself: a replaced-token detector's trivial baseline
-    (accuracy at the majority rate says less: a detector can beat this BCE and still never cross 0.5)."""
-    p = p.clamp(1e-6, 1 - 1e-6)
-    return -(p * p.log() + (1 - p) * (1 - p).log())
-
-
-def auc(logits, targets, mask):
-    """ROC AUC of a detector over the masked-in positions (Mann-Whitney: the chance that a random
-    positive scores above a random negative; ties count 1/2), as the official ELECTRA logs disc_auc.
-    Unlike accuracy it sees a detector that ranks well but never crosses 0.5. NaN without both classes.
-    Under bf16 autocast the head's logits arrive rounded, so near-equal scores become ties."""
-    scores, labels = upcast(logits[mask]).double(), targets[mask]
-    sorted_scores, order = scores.sort()
-    _, inverse, counts = torch.unique_consecutive(sorted_scores, return_inverse=True, return_counts=True)
-    mean_rank = counts.cumsum(0).to(scores.dtype) - (counts - 1) / 2  # 1-based; tied scores share their mean rank
-    ranks = torch.empty_like(scores)
-    ranks[order] = mean_rank[inverse]
-    n_pos = labels.sum().to(scores.dtype)
-    n_neg = len(scores) - n_pos
-    return ((ranks[labels].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)).float()
-
-
-def detector_metrics(name, logit, replaced, input_ids, config, attention_mask, training):
-    """COCO-LM's copy and ELECTRA's discriminator logs, with replaced = positive: accuracy, the trivial BCE
-    of predicting the replaced rate, and (held-out only: a sort of B*T scores) the AUC over the maskable
-    tokens. [CLS]/[SEP] are never replaced: the official disc_auc counts them, which credits a detector
-    for knowing that alone."""
-    valid = non_pad(input_ids, attention_mask)
-    metrics = {f"{name}_acc": masked_mean((logit > 0) == replaced, valid).detach(),
-               f"{name}_trivial": binary_entropy(masked_mean(replaced, valid)).detach()}
-    if not training:
-        metrics[f"{name}_auc"] = auc(logit.detach(), replaced, eligible_positions(input_ids, config, attention_mask))
-    return metrics
 
 
 def pool_size(negative_pool, batch_size):
@@ -222,7 +184,7 @@ def taco_samples(valid, window, num_negatives, rng, pool=0):
     valid (B, T) bool = non-pad. Returns flat indices into the B*T positions: positive (B, T),
     negatives (B, T, num_negatives). Positive: same row, offset uniform over
     {-W//2..W//2} minus 0; if that leaves the row or lands on padding, a uniformly random other
-    non-pad position of the row. Negatives: a row uniform among the other P-1 rows of the anchor's
+    non-pad position of the row (none in a one-token row: TACO drops its anchor). Negatives: a row uniform among the other P-1 rows of the anchor's
     pool (P = pool consecutive rows, 0 = all B rows), then a position uniform among that row's
     non-pad positions (with replacement)."""
     # (the official sampler assumes unpadded rows: its columns are uniform over all T positions)
@@ -256,58 +218,6 @@ def taco_samples(valid, window, num_negatives, rng, pool=0):
     neg_row = neg_row + (neg_row >= pool_row[..., None]).long() + (rows - pool_row)[..., None]
     negatives = nth_valid(neg_row, uniform_int(count[neg_row], rng))
     return positive, negatives
-
-
-def gather_dot(anchor, targets, index):
-    """anchor (B, T, D), targets (N, D), index (B, T, k) -> (B, T, k) fp32 dot products with targets[index]."""
-    return torch.einsum("btd,btkd->btk", anchor, upcast(targets[index]))
-
-
-@functools.cache
-def fused_gather_dot():
-    """gather_dot as one compiled kernel (CUDA, --compile): each negative is read from `targets` and summed in
-    fp32, never written out. targets are fp32 even under autocast (g comes from LayerNorms, which CUDA autocast
-    runs in fp32): 64 MB at b256 s128 on BERT-small, above an H100's 50 MB L2; bf16 targets would fit, untried.
-    Built on first use: importing the compiler costs seconds, and CPU runs stay eager. Written as a product
-    and a sum, not gather_dot's einsum: the same speed on CPU, and no reliance on the compiler not lowering the
-    einsum to a batched matmul of the gathered (B, T, K, D) tensor on the GPU."""
-    return torch.compile(lambda anchor, targets, index: (anchor[:, :, None, :] * upcast(targets[index])).sum(-1),
-                         dynamic=False)
-
-
-NEGATIVE_CHUNK_FLOATS = 2 ** 20  # 4 MB of fp32 per chunk of gathered negatives (stays in cache), or one negative
-
-
-class NegativeDots(torch.autograd.Function):
-    """gather_dot for all K negatives without a (B, T, K, D) tensor: 3.4 GB in fp32 at b256 s128 on
-    BERT-small with K = 50, which autograd kept for backward. Forward: fused_gather_dot if `fused`, else
-    K in chunks of NEGATIVE_CHUNK_FLOATS gathered floats, at least one negative (3-4x faster than one gather on CPU).
-    Backward: the anchor's gradient sum_k grad_k targets[n_k] is a weighted embedding bag; the targets'
-    (taco_stop_grad=False only) an index_add per chunk. Same values and gradients as gather_dot (test_losses.py)."""
-
-    @staticmethod
-    def forward(ctx, anchor, targets, negatives, fused=False):
-        B, T, D = anchor.shape
-        ctx.chunk = max(1, NEGATIVE_CHUNK_FLOATS // (B * T * D))
-        ctx.save_for_backward(anchor, targets, negatives)
-        if fused:
-            return fused_gather_dot()(anchor, targets, negatives)
-        return torch.cat([gather_dot(anchor, targets, index) for index in negatives.split(ctx.chunk, -1)], -1)
-
-    @staticmethod
-    def backward(ctx, grad):  # grad (B, T, K)
-        anchor, targets, negatives = ctx.saved_tensors
-        K, D = negatives.size(-1), anchor.size(-1)
-        grad_anchor = grad_targets = None
-        if ctx.needs_input_grad[0]:
-            grad_anchor = F.embedding_bag(negatives.reshape(-1, K), upcast(targets).to(grad.dtype), mode="sum",
-                                          per_sample_weights=grad.reshape(-1, K)).view_as(anchor)
-        if ctx.needs_input_grad[1]:
-            grad_targets = grad.new_zeros(targets.shape)
-            for index, g in zip(negatives.split(ctx.chunk, -1), grad.split(ctx.chunk, -1)):
-                grad_targets.index_add_(0, index.flatten(), (g[..., None] * anchor[:, :, None]).reshape(-1, D))
-            grad_targets = grad_targets.to(targets.dtype)
-        return grad_anchor, grad_targets, None, None
 
 
 class TACO(nn.Module):
@@ -357,13 +267,15 @@ class TACO(nn.Module):
             anchors = valid
         else:
             anchors = torch.zeros_like(valid).scatter(1, positions, labels != -100)
+        anchors = anchors & (valid.sum(1, keepdim=True) >= 2)  # a one-token row (padded data) has no positive
         # draw one positive and K negatives per position; stop-gradient on both unless taco_stop_grad is off
         positive, negatives = taco_samples(valid, self.window, self.num_negatives, rng, pool)
-        targets = (g.detach() if self.stop_grad else g).flatten(0, 1)  # (B*T, D), in g's dtype; upcast per chunk
+        keys = (g.detach() if self.stop_grad else g).flatten(0, 1)  # (B*T, D), in g's dtype; upcast per chunk
         with torch.autocast(x.device.type, enabled=False):  # fp32: bf16 cosines / tau lose ~2 digits
             g = upcast(g)
-            pos_cos = (g * upcast(targets[positive])).sum(-1)  # (B, T)
-            neg_cos = NegativeDots.apply(g, targets, negatives, self.fused_scoring and g.is_cuda)  # (B, T, K)
+            pos_cos = (g * upcast(keys[positive])).sum(-1)  # (B, T)
+            # = (g[:, :, None] * keys[negatives]).sum(-1), without that (B, T, K, D) tensor (3.4 GB at b256 s128)
+            neg_cos = NegativeDots.apply(g, keys, negatives, self.fused_scoring and g.is_cuda)  # (B, T, K)
             # Eq. 7: f = cos / tau; Eq. 6: InfoNCE with the positive at index 0 (the paper prints it without exp)
             logits = torch.cat([pos_cos[..., None], neg_cos], dim=-1) / self.temperature
             # Eq. 8, as the official code: a mean over all anchors (the paper: per sequence, then over sequences)
@@ -460,13 +372,15 @@ class Generator(nn.Module):
     generator_config's. A narrower generator does as the official ELECTRA code: a linear layer
     projects the D-wide shared embeddings to its width (embeddings_project), and its head's dense
     layer maps back to D (dense -> GELU -> LayerNorm at D) for the tied decoder.
+    mask_frac / random_frac: the [MASK] / random split of mask_tokens (COCO-LM 0.8 / 0.1, ELECTRA 0.85 / 0).
     sample_dropout_off: sample from a second, dropout-off forward (COCO-LM's choice); otherwise
     sample from the training logits (official ELECTRA: one forward, stop_gradient on the samples)."""
 
-    def __init__(self, config, cfg, sample_dropout_off):
+    def __init__(self, config, cfg, mask_frac, random_frac, sample_dropout_off):
         super().__init__()
         gen_config, num_layers = generator_config(cfg, config)
         width = gen_config.hidden_size
+        self.mask_prob, self.mask_frac, self.random_frac = cfg.mask_prob, mask_frac, random_frac
         self.sample_dropout_off = sample_dropout_off
         self.project = nn.Linear(config.hidden_size, width) if width != config.hidden_size else nn.Identity()
         self.encoder = Encoder(gen_config, num_layers)
@@ -478,11 +392,11 @@ class Generator(nn.Module):
         h = self.encoder(self.project(model.embeddings(input_ids)), attention_mask)
         return self.head(gather_positions(h, positions), model.embeddings.word.weight)  # (B*K, V)
 
-    def forward(self, model, input_ids, attention_mask, rng, mask_prob, mask_frac, random_frac):
+    def forward(self, model, input_ids, attention_mask, rng):
         """Mask x, train the generator by MLM on it, and put its samples at the masked positions.
-        Returns (x_mlm: the ids with the samples in, positions, labels, gen_loss, gen_acc)."""
-        corrupted, positions, labels = mask_tokens(input_ids, model.config, rng, mask_prob, mask_frac, random_frac,
-                                                   attention_mask)
+        Returns (x_mlm: the ids with the samples in, positions, labels, gen_loss, metrics)."""
+        corrupted, positions, labels = mask_tokens(input_ids, model.config, rng, self.mask_prob, self.mask_frac,
+                                                   self.random_frac, attention_mask)
         logits = self.logits(model, corrupted, attention_mask, positions)
         gen_loss = cross_entropy(logits, labels.flatten())
         sample_logits = logits  # sample_tokens detaches: the samples carry no gradient
@@ -495,9 +409,12 @@ class Generator(nn.Module):
                 sample_logits = self.logits(model, corrupted, attention_mask, positions)
             self.train()
             model.embeddings.train(embeddings_training)
-        sampled = sample_tokens(sample_logits, rng).view_as(positions)
-        x_mlm = input_ids.scatter(1, positions, torch.where(labels != -100, sampled, input_ids.gather(1, positions)))
-        return x_mlm, positions, labels, gen_loss, accuracy(logits.detach(), labels.flatten())
+        sampled = sample_tokens(sample_logits, rng).view_as(positions)  # (B, K)
+        original, used = input_ids.gather(1, positions), labels != -100
+        x_mlm = input_ids.scatter(1, positions, torch.where(used, sampled, original))
+        metrics = dict(gen_loss=gen_loss.detach(), gen_acc=accuracy(logits.detach(), labels.flatten()),
+                       replaced_frac=masked_mean(sampled != original, used).detach())
+        return x_mlm, positions, labels, gen_loss, metrics
 
 
 def crop_views(input_ids, config, rng, fraction=0.9, attention_mask=None):
@@ -541,6 +458,42 @@ def nt_xent(z1, z2, temperature, pool):
     return F.cross_entropy(sim.flatten(0, 1), partner.repeat(B // pool))
 
 
+def binary_entropy(p):
+    """The BCE of always predicting the rate p itself: a replaced-token detector's trivial baseline
+    (accuracy at the majority rate says less: a detector can beat this BCE and still never cross 0.5)."""
+    p = p.clamp(1e-6, 1 - 1e-6)
+    return -(p * p.log() + (1 - p) * (1 - p).log())
+
+
+def auc(logits, targets, mask):
+    """ROC AUC of a detector over the masked-in positions (Mann-Whitney: the chance that a random
+    positive scores above a random negative; ties count 1/2), as the official ELECTRA logs disc_auc.
+    Unlike accuracy it sees a detector that ranks well but never crosses 0.5. NaN without both classes.
+    Under bf16 autocast the head's logits arrive rounded, so near-equal scores become ties."""
+    scores, labels = upcast(logits[mask]).double(), targets[mask]
+    sorted_scores, order = scores.sort()
+    _, inverse, counts = torch.unique_consecutive(sorted_scores, return_inverse=True, return_counts=True)
+    mean_rank = counts.cumsum(0).to(scores.dtype) - (counts - 1) / 2  # 1-based; tied scores share their mean rank
+    ranks = torch.empty_like(scores)
+    ranks[order] = mean_rank[inverse]
+    n_pos = labels.sum().to(scores.dtype)
+    n_neg = len(scores) - n_pos
+    return ((ranks[labels].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)).float()
+
+
+def detector_metrics(name, logit, replaced, input_ids, config, attention_mask, training):
+    """COCO-LM's copy and ELECTRA's discriminator logs, with replaced = positive: accuracy, the trivial BCE
+    of predicting the replaced rate, and (held-out only: a sort of B*T scores) the AUC over the maskable
+    tokens. [CLS]/[SEP] are never replaced: the official disc_auc counts them, which credits a detector
+    for knowing that alone."""
+    valid = non_pad(input_ids, attention_mask)
+    metrics = {f"{name}_acc": masked_mean((logit > 0) == replaced, valid).detach(),
+               f"{name}_trivial": binary_entropy(masked_mean(replaced, valid)).detach()}
+    if not training:
+        metrics[f"{name}_auc"] = auc(logit.detach(), replaced, eligible_positions(input_ids, config, attention_mask))
+    return metrics
+
+
 class COCOLM(nn.Module):
     """COCO-LM (Meng et al., NeurIPS 2021, §3): corrective LM + sequence contrastive learning.
 
@@ -561,12 +514,11 @@ class COCOLM(nn.Module):
     def __init__(self, model, cfg):
         super().__init__()
         config, D = model.config, model.config.hidden_size
-        self.mask_prob = cfg.mask_prob
         self.copy_weight = cfg.cocolm_copy_weight
         self.scl_temperature = cfg.cocolm_scl_temperature
         self.crop_fraction = cfg.cocolm_crop_fraction
         self.negative_pool = cfg.negative_pool
-        self.generator = Generator(config, cfg, sample_dropout_off=True)
+        self.generator = Generator(config, cfg, mask_frac=0.8, random_frac=0.1, sample_dropout_off=True)
         self.copy_head = nn.Linear(D, 1)
         self.lm_bias = nn.Parameter(torch.zeros(config.vocab_size))
         self.scl_head = nn.Sequential(nn.Linear(D, D), nn.GELU(), nn.LayerNorm(D, eps=config.layer_norm_eps))
@@ -578,10 +530,8 @@ class COCOLM(nn.Module):
         x, attention_mask = batch["input_ids"], batch.get("attention_mask")
         valid = non_pad(x, attention_mask)
         # generator: MLM on x~ (80/10/10), then its samples replace the masked tokens -> x^MLM
-        x_mlm, positions, labels, gen_loss, gen_acc = self.generator(model, x, attention_mask, rng, self.mask_prob,
-                                                                     mask_frac=0.8, random_frac=0.1)
+        x_mlm, positions, labels, gen_loss, metrics = self.generator(model, x, attention_mask, rng)
         is_original = x_mlm == x  # a sample equal to the original counts as original
-        masked, original_at_m = (labels != -100).flatten(), is_original.gather(1, positions).flatten()
         # main model on x^MLM
         h = model(x_mlm, attention_mask=attention_mask)
         # copy loss: is each non-pad token the original?
@@ -590,8 +540,9 @@ class COCOLM(nn.Module):
         # corrective LM loss on M: tied embeddings + bias, no transform
         lm_logits = F.linear(gather_positions(h, positions), model.embeddings.word.weight[:model.config.vocab_size],
                              self.lm_bias)
-        lm_loss = masked_mean(corrective_lm_loss(lm_logits, labels.flatten(), copy_logit.gather(1, positions).flatten(),
-                                                 original_at_m), masked)
+        at_m = lambda t: t.gather(1, positions).flatten()  # (B, T) -> (B*K,): the masked slots
+        lm_loss = masked_mean(corrective_lm_loss(lm_logits, labels.flatten(), at_m(copy_logit), at_m(is_original)),
+                              (labels != -100).flatten())
         # SCL: second view = a cropped x; NT-Xent over the 2B [CLS] vectors
         crop_ids, crop_mask = crop_views(x, model.config, rng, self.crop_fraction, attention_mask)
         h_crop = model(crop_ids, attention_mask=crop_mask)
@@ -599,9 +550,7 @@ class COCOLM(nn.Module):
         cls = upcast(self.scl_head(torch.cat([h[:, 0], h_crop[:, 0]])))  # (2B, D): one GEMM for both views
         scl_loss = nt_xent(cls[:B], cls[B:], self.scl_temperature, pool_size(self.negative_pool, B))
         loss = gen_loss + self.copy_weight * copy_loss + lm_loss + scl_loss
-        metrics = dict(gen_loss=gen_loss.detach(), copy_loss=copy_loss.detach(), lm_loss=lm_loss.detach(),
-                       scl_loss=scl_loss.detach(), gen_acc=gen_acc,
-                       replaced_frac=masked_mean(~original_at_m, masked).detach(),
+        metrics.update(copy_loss=copy_loss.detach(), lm_loss=lm_loss.detach(), scl_loss=scl_loss.detach(),
                        **detector_metrics("copy", -copy_logit, ~is_original, x, model.config, attention_mask,
                                           self.training))
         return loss, metrics
@@ -619,9 +568,8 @@ class ELECTRA(nn.Module):
     def __init__(self, model, cfg):
         super().__init__()
         config, D = model.config, model.config.hidden_size
-        self.mask_prob = cfg.mask_prob
         self.disc_weight = cfg.electra_disc_weight
-        self.generator = Generator(config, cfg, sample_dropout_off=False)
+        self.generator = Generator(config, cfg, mask_frac=0.85, random_frac=0.0, sample_dropout_off=False)
         self.disc_head = nn.Sequential(nn.Linear(D, D), nn.GELU(), nn.Linear(D, 1))
         self.disc_head.apply(Bert._init_weights)
         model.head.requires_grad_(False)  # unused here: keep it out of the optimizer and DDP's reducer
@@ -630,16 +578,70 @@ class ELECTRA(nn.Module):
         x, attention_mask = batch["input_ids"], batch.get("attention_mask")
         valid = non_pad(x, attention_mask)
         # generator: MLM on 85/0/15 masking, samples from its training logits replace the masked tokens
-        x_mlm, positions, labels, gen_loss, gen_acc = self.generator(model, x, attention_mask, rng, self.mask_prob,
-                                                                     mask_frac=0.85, random_frac=0.0)
+        x_mlm, positions, labels, gen_loss, metrics = self.generator(model, x, attention_mask, rng)
         replaced = x_mlm != x
         # discriminator: replaced or original, at every non-pad position
         disc_logit = upcast(self.disc_head(model(x_mlm, attention_mask=attention_mask)).squeeze(-1))  # (B, T)
         disc_loss = masked_bce(disc_logit, replaced, valid)
-        metrics = dict(gen_loss=gen_loss.detach(), disc_loss=disc_loss.detach(), gen_acc=gen_acc,
-                       replaced_frac=masked_mean(replaced.gather(1, positions), labels != -100).detach(),
+        metrics.update(disc_loss=disc_loss.detach(),
                        **detector_metrics("disc", disc_logit, replaced, x, model.config, attention_mask, self.training))
         return gen_loss + self.disc_weight * disc_loss, metrics
+
+
+# ------------------------------------------------------------------------------------------
+# speed: TACO's negative scoring, (g[:, :, None] * keys[negatives]).sum(-1) without the (B, T, K, D) tensor
+
+
+def gather_dot(anchor, targets, index):
+    """anchor (B, T, D), targets (N, D), index (B, T, k) -> (B, T, k) fp32 dot products with targets[index]."""
+    return torch.einsum("btd,btkd->btk", anchor, upcast(targets[index]))
+
+
+@functools.cache
+def fused_gather_dot():
+    """gather_dot as one compiled kernel (CUDA, --compile): each negative is read from `targets` and summed in
+    fp32, never written out. targets are fp32 even under autocast (g comes from LayerNorms, which CUDA autocast
+    runs in fp32): 64 MB at b256 s128 on BERT-small, above an H100's 50 MB L2; bf16 targets would fit, untried.
+    Built on first use: importing the compiler costs seconds, and CPU runs stay eager. Written as a product
+    and a sum, not gather_dot's einsum: the same speed on CPU, and no reliance on the compiler not lowering the
+    einsum to a batched matmul of the gathered (B, T, K, D) tensor on the GPU."""
+    return torch.compile(lambda anchor, targets, index: (anchor[:, :, None, :] * upcast(targets[index])).sum(-1),
+                         dynamic=False)
+
+
+NEGATIVE_CHUNK_FLOATS = 2 ** 20  # 4 MB of fp32 per chunk of gathered negatives (stays in cache), or one negative
+
+
+class NegativeDots(torch.autograd.Function):
+    """gather_dot for all K negatives without a (B, T, K, D) tensor: 3.4 GB in fp32 at b256 s128 on
+    BERT-small with K = 50, which autograd kept for backward. Forward: fused_gather_dot if `fused`, else
+    K in chunks of NEGATIVE_CHUNK_FLOATS gathered floats, at least one negative (3-4x faster than one gather on CPU).
+    Backward: the anchor's gradient sum_k grad_k targets[n_k] is a weighted embedding bag; the targets'
+    (taco_stop_grad=False only) an index_add per chunk. Same values and gradients as gather_dot (test_losses.py)."""
+
+    @staticmethod
+    def forward(ctx, anchor, targets, negatives, fused=False):
+        B, T, D = anchor.shape
+        ctx.chunk = max(1, NEGATIVE_CHUNK_FLOATS // (B * T * D))
+        ctx.save_for_backward(anchor, targets, negatives)
+        if fused:
+            return fused_gather_dot()(anchor, targets, negatives)
+        return torch.cat([gather_dot(anchor, targets, index) for index in negatives.split(ctx.chunk, -1)], -1)
+
+    @staticmethod
+    def backward(ctx, grad):  # grad (B, T, K)
+        anchor, targets, negatives = ctx.saved_tensors
+        K, D = negatives.size(-1), anchor.size(-1)
+        grad_anchor = grad_targets = None
+        if ctx.needs_input_grad[0]:
+            grad_anchor = F.embedding_bag(negatives.reshape(-1, K), upcast(targets).to(grad.dtype), mode="sum",
+                                          per_sample_weights=grad.reshape(-1, K)).view_as(anchor)
+        if ctx.needs_input_grad[1]:
+            grad_targets = grad.new_zeros(targets.shape)
+            for index, g in zip(negatives.split(ctx.chunk, -1), grad.split(ctx.chunk, -1)):
+                grad_targets.index_add_(0, index.flatten(), (g[..., None] * anchor[:, :, None]).reshape(-1, D))
+            grad_targets = grad_targets.to(targets.dtype)
+        return grad_anchor, grad_targets, None, None
 
 
 LOSSES = {"mlm": MLM, "taco": TACO, "tacl": TaCL, "cocolm": COCOLM, "electra": ELECTRA}

@@ -174,7 +174,7 @@ class Bert(nn.Module):
 
     @staticmethod
     def _init_weights(module):
-        # BERT's initialisation: N(0, 0.02) weights, zero biases, unit LayerNorm
+        # BERT's initialisation: N(0, 0.02) weights, zero biases (LayerNorms keep torch's ones and zeros)
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:
@@ -240,8 +240,7 @@ class Bert(nn.Module):
         own = self.state_dict()
         names = hf_weight_names(self.config)
         has_head = "cls.predictions.transform.dense.weight" in state
-        used = {t for ours, theirs in names.items() if has_head or not ours.startswith("head.")
-                for t in ([theirs] if isinstance(theirs, str) else theirs)}
+        used = {t for ours, theirs in names.items() if has_head or not ours.startswith("head.") for t in theirs}
         tied = {"cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
                 "cls.predictions.decoder.bias": "cls.predictions.bias"}
         for key in sorted(set(state) - used):
@@ -255,7 +254,6 @@ class Bert(nn.Module):
         for ours, theirs in names.items():
             if ours.startswith("head.") and not has_head:
                 continue  # a BertModel checkpoint: the MLM head keeps its fresh init
-            theirs = [theirs] if isinstance(theirs, str) else theirs
             missing = [t for t in theirs if t not in state]
             if missing:
                 raise ValueError(f"{source}: missing weight {missing[0]} (not a BERT checkpoint of this shape?)")
@@ -263,16 +261,12 @@ class Bert(nn.Module):
             target = own[ours]
             if not tensor.is_floating_point():  # copy_ would cast integers silently
                 raise ValueError(f"{source}: {theirs[0]} holds {tensor.dtype}, not floating-point weights")
-            if tensor.shape[1:] != target.shape[1:]:
-                raise ValueError(f"{source}: {theirs[0]} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
-            if ours in ("embeddings.word.weight", "head.bias"):  # pad the vocab rows with zeros
-                if tensor.size(0) != self.config.vocab_size:
-                    raise ValueError(f"{source}: {theirs[0]} has {tensor.size(0)} rows, config says vocab_size "
-                                     f"{self.config.vocab_size}")
-                tensor = torch.cat([tensor, target.new_zeros((target.size(0) - tensor.size(0),) + target.shape[1:])])
-            if tensor.shape != target.shape:
-                raise ValueError(f"{source}: {theirs[0]} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
-            target.copy_(tensor)
+            vocab_rows = ours in ("embeddings.word.weight", "head.bias")  # stored unpadded: vocab_size rows
+            expected = (self.config.vocab_size,) + target.shape[1:] if vocab_rows else target.shape
+            if tensor.shape != expected:
+                raise ValueError(f"{source}: {theirs[0]} has shape {tuple(tensor.shape)}, expected {tuple(expected)}")
+            target[len(tensor):] = 0  # the padded vocab rows (an empty slice elsewhere)
+            target[:len(tensor)].copy_(tensor)
         if "bert.pooler.dense.weight" in state:
             self.pooler = nn.Linear(self.config.hidden_size, self.config.hidden_size)
             for name, target in self.pooler.named_parameters():
@@ -291,10 +285,7 @@ class Bert(nn.Module):
             tensor = own[ours]
             if ours in ("embeddings.word.weight", "head.bias"):
                 tensor = tensor[:V]
-            if isinstance(theirs, str):
-                out[theirs] = tensor
-            else:  # split the fused qkv back into query, key, value
-                out.update(zip(theirs, tensor.chunk(len(theirs))))
+            out.update(zip(theirs, tensor.chunk(len(theirs))))  # the fused qkv splits back into query, key, value
         if self.pooler is not None:
             out["bert.pooler.dense.weight"], out["bert.pooler.dense.bias"] = self.pooler.weight, self.pooler.bias
         return {k: v.detach().cpu().contiguous() for k, v in out.items()}
@@ -317,28 +308,28 @@ class Bert(nn.Module):
 
 
 def hf_weight_names(config):
-    """Our parameter name -> Hugging Face BertForMaskedLM name (a list where we fuse tensors)."""
+    """Our parameter name -> its Hugging Face BertForMaskedLM names (three for the fused qkv, else one)."""
     names = {
-        "embeddings.word.weight": "bert.embeddings.word_embeddings.weight",
-        "embeddings.position.weight": "bert.embeddings.position_embeddings.weight",
-        "embeddings.token_type.weight": "bert.embeddings.token_type_embeddings.weight",
-        "embeddings.ln.weight": "bert.embeddings.LayerNorm.weight",
-        "embeddings.ln.bias": "bert.embeddings.LayerNorm.bias",
-        "head.dense.weight": "cls.predictions.transform.dense.weight",
-        "head.dense.bias": "cls.predictions.transform.dense.bias",
-        "head.ln.weight": "cls.predictions.transform.LayerNorm.weight",
-        "head.ln.bias": "cls.predictions.transform.LayerNorm.bias",
-        "head.bias": "cls.predictions.bias",
+        "embeddings.word.weight": ["bert.embeddings.word_embeddings.weight"],
+        "embeddings.position.weight": ["bert.embeddings.position_embeddings.weight"],
+        "embeddings.token_type.weight": ["bert.embeddings.token_type_embeddings.weight"],
+        "embeddings.ln.weight": ["bert.embeddings.LayerNorm.weight"],
+        "embeddings.ln.bias": ["bert.embeddings.LayerNorm.bias"],
+        "head.dense.weight": ["cls.predictions.transform.dense.weight"],
+        "head.dense.bias": ["cls.predictions.transform.dense.bias"],
+        "head.ln.weight": ["cls.predictions.transform.LayerNorm.weight"],
+        "head.ln.bias": ["cls.predictions.transform.LayerNorm.bias"],
+        "head.bias": ["cls.predictions.bias"],
     }
     for i in range(config.num_layers):
         ours, hf = f"encoder.layers.{i}.", f"bert.encoder.layer.{i}."
         for p in ("weight", "bias"):
             names[ours + f"attn.qkv.{p}"] = [hf + f"attention.self.{n}.{p}" for n in ("query", "key", "value")]
-            names[ours + f"attn.proj.{p}"] = hf + f"attention.output.dense.{p}"
-            names[ours + f"ln1.{p}"] = hf + f"attention.output.LayerNorm.{p}"
-            names[ours + f"up.{p}"] = hf + f"intermediate.dense.{p}"
-            names[ours + f"down.{p}"] = hf + f"output.dense.{p}"
-            names[ours + f"ln2.{p}"] = hf + f"output.LayerNorm.{p}"
+            names[ours + f"attn.proj.{p}"] = [hf + f"attention.output.dense.{p}"]
+            names[ours + f"ln1.{p}"] = [hf + f"attention.output.LayerNorm.{p}"]
+            names[ours + f"up.{p}"] = [hf + f"intermediate.dense.{p}"]
+            names[ours + f"down.{p}"] = [hf + f"output.dense.{p}"]
+            names[ours + f"ln2.{p}"] = [hf + f"output.LayerNorm.{p}"]
     return names
 
 

@@ -532,7 +532,9 @@ def test_taco_gradients_match_the_dense_gather(monkeypatch, stop_grad, double):
     (False, "all", 5, 0.07, 0, False), (True, "all", 5, 0.07, 0, False),
     (False, "masked", 5, 0.07, 0, False), (True, "masked", 5, 0.07, 0, False),
     # the other hyperparameters off their defaults (W 5, tau 0.07, the whole batch, MLM alone): each reaches the loss
-    (True, "all", 3, 0.2, 2, True)])
+    (True, "all", 3, 0.2, 2, True),
+    # a row of one token (padded data) has no positive: its anchor is left out
+    ("one", "all", 5, 0.07, 0, False)])
 def test_taco_matches_reference(padded, anchors, W, tau, pool, predict_all):
     """Value and gradient: positives and negatives are detached (taco_stop_grad), so the gradient reaches h and
     the embeddings through the anchor (and MLM) only."""
@@ -540,7 +542,7 @@ def test_taco_matches_reference(padded, anchors, W, tau, pool, predict_all):
     K = 6
     objective = build("taco", model, taco_window=W, taco_negatives=K, taco_temperature=tau, taco_anchors=anchors,
                       taco_weight=0.7, negative_pool=pool, mlm_predict_all=predict_all)
-    batch = make_batch(**(PADDED if padded else {}))
+    batch = make_batch(**(dict(lengths=[16, 1, 16, 7]) if padded == "one" else PADDED if padded else {}))
     x, am = batch["input_ids"], batch.get("attention_mask")
     B, T = x.shape
     valid = am.bool() if padded else torch.ones_like(x, dtype=torch.bool)
@@ -556,7 +558,7 @@ def test_taco_matches_reference(padded, anchors, W, tau, pool, predict_all):
     terms, pos_cos, neg_cos = [], [], []
     for b in range(B):
         for t in range(T):
-            if not valid[b, t] or (anchors == "masked" and (b, t) not in masked):
+            if not valid[b, t] or (anchors == "masked" and (b, t) not in masked) or valid[b].sum() < 2:
                 continue
             anchor = g[b * T + t]
             scores = [cos(anchor, g[n].detach()) / tau for n in [positive[b, t], *negatives[b, t]]]
@@ -1080,7 +1082,7 @@ def test_generator_forwards_and_sampling_logits(monkeypatch, name):
     x = make_batch()["input_ids"]
     mask_frac, random_frac = (0.8, 0.1) if name == "cocolm" else (0.85, 0.0)
     head_outputs.clear()
-    x_mlm, positions, labels, *_ = objective.generator(model, x, None, seeded(4), 0.15, mask_frac, random_frac)
+    x_mlm, positions, labels, *_ = objective.generator(model, x, None, seeded(4))
     assert objective.generator.training and model.embeddings.training  # modes restored
     assert not x_mlm.is_floating_point()  # token ids: no gradient path back into the generator
     training_logits = head_outputs[0]
@@ -1126,7 +1128,7 @@ def test_generator_decodes_with_the_word_embeddings():
     # tokens 5..20 only: rows 21..49 of the shared matrix learn from the generator's decoder alone
     model = tiny_model()
     generator = build("electra", model).generator
-    gen_loss = generator(model, make_batch(vocab=21)["input_ids"], None, seeded(), 0.15, 0.85, 0.0)[3]
+    gen_loss = generator(model, make_batch(vocab=21)["input_ids"], None, seeded())[3]
     gen_loss.backward()
     assert (model.embeddings.word.weight.grad[21:50].abs().sum(-1) > 0).all()
 
