@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 import data
 from config import dir_problem
-from model import Bert
+from model import Bert, still_training
 
 ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
 WORDSIM353 = os.path.join(ASSETS, "wordsim353", "combined.csv")
@@ -541,6 +541,16 @@ def run_analysis(args):
     if problem:  # before any work: the default --out is the model's own directory
         raise ValueError(f"cannot write the analysis into {out}: it {problem}; pass --out DIR")
     os.makedirs(out, exist_ok=True)
+    loaded = {}  # every model and tokenizer first: a bad --model is one error line before any work
+    for label, path in zip(_labels(models), models):
+        model, tok = Bert.from_pretrained(path), load_tokenizer(path)
+        if tok.get_vocab_size() > model.config.vocab_size:  # ids beyond the embedding: not this model's tokenizer
+            raise ValueError(f"{path}: the tokenizer has {tok.get_vocab_size()} tokens, the model "
+                             f"{model.config.vocab_size}")
+        if still_training(path):
+            print(f"note: {path} is still training (a train.py holds its .lock): this analyses its step "
+                  f"{model.training_step} export, and analysis.json records that step")
+        loaded[label] = path, model, tok
     documents, text_source = held_out_documents(args.text, models[0])
     sentences = load_sentences(documents, args.num_sentences, args.seed)
     if len(sentences) < 2:
@@ -558,16 +568,15 @@ def run_analysis(args):
                "stsb": stsb_source and f"{stsb_source} (validation split)", "heatmap_sentence": heatmap_sentence,
                "models": {}}
     raws = {}
-    for label, path in zip(_labels(models), models):
+    for label in list(loaded):
+        path, model, tok = loaded.pop(label)  # the only reference: freed after its turn
         print(f"analysing {path}")
-        model, tok = Bert.from_pretrained(path).to(device).eval(), load_tokenizer(path)
-        if tok.get_vocab_size() > model.config.vocab_size:  # ids beyond the embedding: not this model's tokenizer
-            raise ValueError(f"{path}: the tokenizer has {tok.get_vocab_size()} tokens, the model "
-                             f"{model.config.vocab_size}")
+        model = model.to(device).eval()
         max_len = min(args.max_len, model.config.max_position_embeddings)  # as eval.py's GLUE does
         result, raws[label] = analyze_model(model, tok, sentences, max_len, device, args.seed, stsb_rows,
                                             heatmap_sentence)
-        results["models"][label] = {"path": path, "max_len": max_len, **result}
+        results["models"][label] = {"path": path, "training_step": model.training_step, "max_len": max_len,
+                                    **result}
         del model
     plot_contextual(results, os.path.join(out, "analysis_contextual.png"))
     plot_self_similarity(results, os.path.join(out, "analysis_self_similarity.png"))

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 import analysis
 from config import Parser, dir_problem
 from data import TASKS, TaskMissing, load_task, load_tokenizer, special_token_ids
-from model import Bert, config_to_hf, write_atomic, write_hf_dir
+from model import Bert, config_to_hf, still_training, write_atomic, write_hf_dir
 
 # ----------------------------------------------------------------------------------------------
 # Metrics (numpy, x100 as the papers report them)
@@ -657,8 +657,11 @@ def run_glue(args, log=print):
     problem = dir_problem(out)
     if problem:  # before any fine-tuning: the default --out is the model's own directory
         raise ValueError(f"cannot write GLUE results into {out}: it {problem}; pass --out DIR")
-    log(f"{args.model}: {base.num_params() / 1e6:.1f}M parameters ({size}), {protocol}, seeds {seeds}, {device}"
-        + (f"; flags override {overrides}" if overrides else ""))
+    log(f"{args.model}: {base.num_params() / 1e6:.1f}M parameters, {size}-model recipe ({protocol}), seeds {seeds}, "
+        f"{device}" + (f"; flags override {overrides}" if overrides else ""))
+    if still_training(args.model):
+        log(f"note: {model_dir} is still training (a train.py holds its .lock): this scores its step "
+            f"{base.training_step} export, and glue.json records that step")
     if args.max_train_samples:
         log("note: with --max_train_samples, each recipe's warm-up steps shrink in proportion to the train rows kept")
     loaded, missing = {}, {}
@@ -682,7 +685,8 @@ def run_glue(args, log=print):
                       f"{combos} combinations x {len(seeds)} seed{'s' * (len(seeds) > 1)}")
         if len(counts) > 1:  # --num_combos beyond a task's grid: that task runs its whole grid
             runs_label += " (fewer on tasks whose grid is smaller)"
-        report = dict(name=os.path.basename(os.path.normpath(model_dir)), model=args.model, recipe=args.recipe,
+        report = dict(name=os.path.basename(os.path.normpath(model_dir)), model=args.model,
+                      training_step=base.training_step, recipe=args.recipe,
                       model_size=size, protocol=protocol, seeds=seeds, runs_per_task=n_runs,
                       runs_label=runs_label, group_by_length=args.group_by_length, args=vars(args), device=str(device),
                       torch=torch.__version__, model_config=vars(cfg), time_s=time.time() - t_all, tasks=results)

@@ -170,6 +170,7 @@ class Bert(nn.Module):
         self.head = MLMHead(config)
         self.pooler = None  # only kept when a loaded checkpoint has one (eval.py adds a fresh one)
         self.fresh_head = False  # from_pretrained: the checkpoint holds no MLM head its run trained
+        self.training_step = None  # from_pretrained: the step of a run of this project that these weights are
         self.apply(self._init_weights)
 
     @staticmethod
@@ -229,6 +230,7 @@ class Bert(nn.Module):
         state = _read_weights(path)
         model = cls(config)
         model.fresh_head = not model.load_hf_state_dict(state, source=path)
+        model.training_step = hf.get("training_step")  # an export of this project says which step it holds
         return model
 
     def load_hf_state_dict(self, state, source="checkpoint"):
@@ -409,7 +411,9 @@ def _read_weights(path):
         except ValueError:
             raise
         except Exception as e:
-            raise ValueError(f"{path}: corrupt weights file ({type(e).__name__}: {_last_line(e)})") from None
+            fix = (f"; python train.py --resume {path} rewrites it from ckpt.pt" if name == "model.safetensors" and
+                   os.path.isfile(os.path.join(path, "ckpt.pt")) else "")  # a run of this project
+            raise ValueError(f"{path}: corrupt weights file ({type(e).__name__}: {_last_line(e)}){fix}") from None
     raise ValueError(f"{path}: no model.safetensors or pytorch_model.bin (or their .index.json)")
 
 
@@ -463,7 +467,23 @@ def _load_project_checkpoint(path):
         raise ValueError(f"{path}: weights do not match the model config ({' '.join(str(e).split())[:300]})") from None
     run = ckpt.get("config")
     model.fresh_head = isinstance(run, dict) and run.get("objective") in ("electra", "cocolm")  # head never trained
+    model.training_step = ckpt.get("step")
     return model
+
+
+def still_training(path):
+    """True while a train.py holds the .lock of the run directory `path` is in (or is): its export and
+    ckpt.pt move on at each checkpoint, so a score made now is of one step of an unfinished run."""
+    lock = os.path.join(path if os.path.isdir(path) else os.path.dirname(path) or ".", ".lock")
+    if os.name == "nt" or not os.path.isfile(lock):
+        return False
+    import fcntl
+    with open(lock) as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            return True
+    return False  # closing the file released the shared lock
 
 
 def write_hf_dir(out_dir, state, hf_config, metadata, tokenizer_dir=None):

@@ -398,6 +398,21 @@ def test_analysis_json_is_written_last(tok, tmp_path, monkeypatch):
     assert (tmp_path / "run" / "analysis_contextual.png").exists() and not (tmp_path / "run" / "analysis.json").exists()
 
 
+def test_every_model_is_checked_first_and_its_step_recorded(tok, tmp_path, monkeypatch, capsys):
+    no_hub(monkeypatch)
+    good = tmp_path / "run"
+    tiny_bert(tok.get_vocab_size()).save_pretrained(str(good), step=12)
+    tok.save(str(good / "tokenizer.json"))
+    text = tmp_path / "t.txt"
+    text.write_text("\n".join(make_text(10)))
+    (tmp_path / "notes").mkdir()  # the second --model is no checkpoint: refused before the first is analysed
+    with pytest.raises(ValueError, match="not a checkpoint"):
+        A.run_analysis(SimpleNamespace(model=[str(good), str(tmp_path / "notes")], out=None, text=str(text)))
+    assert capsys.readouterr().out == ""
+    results = A.run_analysis(SimpleNamespace(model=[str(good)], out=None, text=str(text)))
+    assert results["models"]["run"]["training_step"] == 12  # which export of the run was analysed
+
+
 def test_stsb_offline_is_one_line_and_the_rest_completes(tok, tmp_path, monkeypatch, capsys):
     no_hub(monkeypatch)
     model = save_model(tiny_bert(tok.get_vocab_size()), tok, tmp_path / "run")

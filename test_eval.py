@@ -209,7 +209,7 @@ def tiny_model_dir(tmp_path_factory, tokenizer_dir):
     model = Bert(BertConfig(vocab_size=vocab_size, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64,
                             max_position_embeddings=64))
     d = tmp_path_factory.mktemp("model")
-    model.save_pretrained(str(d), tokenizer_dir=str(tokenizer_dir))
+    model.save_pretrained(str(d), tokenizer_dir=str(tokenizer_dir), step=5)
     return d
 
 
@@ -255,6 +255,7 @@ def test_end_to_end(tmp_path, tiny_model_dir, capsys):
         "--predict", "--predict_seed", "2"]))
     saved = json.loads((out / "glue.json").read_text())
     assert saved["seeds"] == [1, 2] and saved["recipe"] == "paper" and saved["model_size"] == "small"
+    assert saved["training_step"] == 5  # which export of the run was scored
     tasks = saved["tasks"]
     assert set(tasks) == set(data.TASKS)
     assert {n for n, t in tasks.items() if t["status"] == "ok"} == {"cola", "mrpc", "stsb"}

@@ -324,3 +324,20 @@ def test_a_detector_run_checkpoint_says_its_mlm_head_is_untrained(tmp_path):
         torch.save(dict(model=model.state_dict(), model_config=asdict(model.config), config={"objective": objective}),
                    str(tmp_path / "ckpt.pt"))
         assert Bert.from_pretrained(str(tmp_path / "ckpt.pt")).fresh_head is fresh, objective
+
+
+def test_an_export_says_its_step_and_whether_its_run_is_still_training(tmp_path):
+    fcntl = pytest.importorskip("fcntl")  # POSIX: Windows runs take no flock
+    from model import still_training
+    run = tmp_path / "run"
+    Bert(BertConfig(**TINY)).save_pretrained(str(run), step=7)
+    assert Bert.from_pretrained(str(run)).training_step == 7 and not still_training(str(run))
+    with open(run / ".lock", "a+") as held:  # what train.py's take_lock holds while it writes there
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert still_training(str(run)) and still_training(str(run / "ckpt.pt"))
+    assert not still_training(str(run))  # released, however its holder ended
+    # a torn export of a run that has its ckpt.pt: the error says how to rewrite it
+    (run / "ckpt.pt").write_bytes(b"")
+    (run / "model.safetensors").write_bytes((run / "model.safetensors").read_bytes()[:100])
+    with pytest.raises(ValueError, match=r"corrupt weights file .*train.py --resume .* rewrites it from ckpt.pt"):
+        Bert.from_pretrained(str(run))
