@@ -44,6 +44,7 @@ import os
 import re
 import shutil
 import string
+import sys
 import time
 import unicodedata
 from contextlib import contextmanager
@@ -169,9 +170,12 @@ def train_tokenizer(texts, vocab_size=30522, save_dir=None):
     # (initial_alphabet with limit_alphabet = its size) and the "##x" ids (passed as leading special
     # tokens, demoted to ordinary vocabulary below) makes every id reproducible.
     alphabet, continuing = _alphabet(read(), tok.normalizer, LIMIT_ALPHABET)
+    if not alphabet:
+        raise ValueError("no text")
     trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, continuing_subword_prefix="##",
                                         special_tokens=SPECIAL_TOKENS + ["##" + c for c in continuing],
-                                        initial_alphabet=alphabet, limit_alphabet=len(alphabet))
+                                        initial_alphabet=alphabet, limit_alphabet=len(alphabet),
+                                        show_progress=sys.stderr.isatty())  # in a log file: blank lines
     tok.train_from_iterator(read(), trainer)
     tok = Tokenizer(models.WordPiece(tok.get_vocab(), unk_token="[UNK]"))  # "##x" as plain tokens again
     _bert_pipeline(tok)
@@ -535,7 +539,10 @@ def prepare_data(data=DEFAULT_DATA, cache_dir="cache", tokenizer=None, vocab_siz
                 parts = _load_corpus(data, files, cache)
                 t0, tmp = time.time(), f"{tokenizer}.tmp{os.getpid()}"
                 texts = lambda: ([p for p in pieces if p is not None] for pieces in _pieces(parts))
-                trained = train_tokenizer(texts, vocab_size, save_dir=tmp)
+                try:
+                    trained = train_tokenizer(texts, vocab_size, save_dir=tmp)
+                except ValueError:  # only whitespace: nothing to tokenize either
+                    raise ValueError(f"no text in {data}") from None
                 print(f"trained a {trained.get_vocab_size()}-token tokenizer in {time.time() - t0:.1f}s")
                 os.replace(tmp, tokenizer)
     tok = load_tokenizer(tokenizer)

@@ -276,6 +276,13 @@ def test_bad_paths(tok_dir, tmp_path, name):
         data.prepare_data(str(path), tmp_path / "cache", tokenizer=tok_dir)
 
 
+def test_blank_text_trains_no_tokenizer(tmp_path, capsys):
+    (tmp_path / "blank.txt").write_text("\n\n  \t \n")
+    with pytest.raises(ValueError, match="no text in .*blank.txt"):
+        data.prepare_data(str(tmp_path / "blank.txt"), tmp_path / "cache")
+    assert capsys.readouterr().out == "" and not list((tmp_path / "cache").glob("tokenizer-*"))
+
+
 def test_unreachable_hub_dataset_is_one_clear_error(tok_dir, tmp_path, monkeypatch):
     def offline(*args, **kwargs):
         raise ConnectionError("Couldn't reach 'wikitext' on the Hub (LocalEntryNotFoundError)")

@@ -131,6 +131,13 @@ def test_a_missing_data_path_leaves_no_run_directory(cache, tmp_path, capsys):
     one_error(err, "nowhere.txt")
 
 
+def test_a_run_stopped_before_its_first_checkpoint_starts_again_and_says_so(corpus, cache, tmp_path, capsys):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "log.jsonl").write_text('{"config": {}}\n{"step": 5, "loss": 9.0}\n')
+    code, out, err = run_main(flags(corpus, cache, tmp_path / "run", max_steps=2), capsys)
+    assert code == 0 and "holds a run stopped before its first checkpoint: it starts again from step 0" in out, err
+
+
 def test_a_fixed_cuda_device_under_torchrun_is_refused(corpus, cache, tmp_path, capsys, monkeypatch):
     """Every torchrun process would train on the same GPU: refused before anything starts."""
     monkeypatch.setenv("RANK", "0")

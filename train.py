@@ -555,6 +555,9 @@ def train(cfg, ckpt=None):
         if not ckpt:  # a resumed run's tokenizer is the one in its directory: never rewritten
             data.save_tokenizer(tok, cfg.out_dir)
         log_path = os.path.join(cfg.out_dir, "log.jsonl")
+        if not ckpt and os.path.isfile(log_path):
+            print(f"note: {cfg.out_dir} holds a run stopped before its first checkpoint: it starts again from step 0 "
+                  f"(its log.jsonl goes on; a step logged twice counts once, the later)")
         repair_log(log_path)
         log_file = open(log_path, "a")
         # the code that ran, for each segment of the run: a resume's local changes go to code-step{N}.diff
