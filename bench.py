@@ -23,13 +23,16 @@ computing full-vocabulary logits at every position (Hugging Face's behaviour; ou
 the selected positions only). Differences, each in Hugging Face's favour or neutral:
 - its masking is done before the timed steps (the collator runs in DataLoader workers); ours runs
   inside the timed step, on the device;
+- its vocabulary is 30,522 rows, ours padded to 30,528 (a multiple of 64) with the padded logits dropped;
 - no attention_mask is passed to either: packed blocks have no padding (an all-ones mask would
   keep Hugging Face off SDPA's flash kernel once compiled);
 - --compile 1 compiles our encoder (and TACO's negative scoring: train.py's choice) but Hugging
   Face's whole model, loss included (what Trainer's torch_compile does); --compile 0 runs both eagerly.
 MFU counts the same model FLOPs for both (objective_flops_per_token("mlm"): the MLM head on the
 selected 15% only), so the MFU ratio equals the tokens/s ratio. "vs mlm" is the step time relative
-to our MLM step at the same size. transformers is needed for --hf only.
+to our MLM step at the same size. transformers is needed for --hf only. Hugging Face's row comes
+right after our MLM's. A run that fails (out of memory, a compile error) is one "failed" line and an
+"error" entry in --json; the other runs go on, and the exit status is 1.
 
 --profile runs torch.profiler over --profile_steps more steps of each timed run and prints the
 top kernels (GPU time) and ops (self CUDA time on GPU, self CPU time on CPU), then writes a
@@ -103,7 +106,7 @@ def build_ours(cfg, config, args, device, autocast):
     return training_step(loss_at, params, cfg, device), params
 
 
-def build_hf(config, args, device, autocast):
+def build_hf(cfg, config, args, device, autocast):
     """The same, for transformers.BertForMaskedLM at our config (see the module docstring)."""
     import transformers  # main() checked it is installed
     hf_config = transformers.BertConfig(**config_to_hf(config), attn_implementation="sdpa")
@@ -117,7 +120,7 @@ def build_hf(config, args, device, autocast):
     def loss_at(i):
         with autocast:
             return compiled(**batches[i % len(batches)]).loss
-    return training_step(loss_at, params, TrainConfig(), device), params
+    return training_step(loss_at, params, cfg, device), params  # our optimizer and clip settings
 
 
 def training_step(loss_at, params, cfg, device):
@@ -133,7 +136,7 @@ def training_step(loss_at, params, cfg, device):
 
 def sync(device):
     if device.type == "cuda":
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)
 
 
 def time_steps(step, args, device):
@@ -143,14 +146,14 @@ def time_steps(step, args, device):
         step(i)
     sync(device)
     if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.reset_peak_memory_stats(device)
     t, cpu_t = time.perf_counter(), time.process_time()
     for i in range(args.steps):
         step(i)
     sync(device)
     step_ms = (time.perf_counter() - t) / args.steps * 1e3
     cpu_ms = (time.process_time() - cpu_t) / args.steps * 1e3
-    return step_ms, cpu_ms, torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else None
+    return step_ms, cpu_ms, torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
 
 
 def top_events(events, self_time, n, steps):
@@ -233,7 +236,7 @@ def build(name, size, args, device):
                   taco_negatives=args.taco_negatives, gen_shape=args.gen_shape,
                   compile=bool(args.compile))  # TACO's fused negative scoring follows --compile
     if name == "hf-mlm":
-        step, params = build_hf(config, args, device, autocast)
+        step, params = build_hf(cfg, config, args, device, autocast)
     else:
         step, params = build_ours(cfg, config, args, device, autocast)
     return step, params, cfg, config, t0
@@ -251,7 +254,8 @@ def summarise(name, size, args, device, built, timing):
                 dtype="bf16 autocast" if device.type == "cuda" else "fp32", step_ms=step_ms, cpu_ms=cpu_ms,
                 tokens_per_s=tokens_per_s, model_tflops=tokens_per_s * flops / 1e12 if flops else None,
                 mfu=tokens_per_s * flops / peak_flops if peak_flops else None, peak_mem_gb=peak_gb,
-                interleaved=args.interleave, run_s=time.perf_counter() - t0)  # run_s: build + compile + steps
+                interleaved=args.interleave,  # run_s: build + compile + steps (interleaved: every run's, so none)
+                run_s=None if args.interleave else time.perf_counter() - t0)
 
 
 def time_interleaved(steps, args):
@@ -360,6 +364,8 @@ def main(argv=None):
             p.error(f"--{flag} {getattr(args, flag)}: {path} {problem}")
     if args.seq_len > BertConfig.max_position_embeddings:
         p.error(f"--seq_len {args.seq_len} exceeds max_position_embeddings {BertConfig.max_position_embeddings}")
+    if args.loader and args.hf:
+        p.error("--loader times our data loading only: not with --hf (Hugging Face's batches are prepared)")
     if args.hf:
         try:
             import transformers
@@ -393,36 +399,53 @@ def main(argv=None):
     print(HEADER, flush=True)
     results, ratios = [], []
     for size in sizes:
-        mlm_ms, names = None, objectives + (["hf-mlm"] if args.hf else [])
+        # Hugging Face right after our MLM: the headline pair is measured first, back to back
+        names = list(objectives)
+        if args.hf:
+            names.insert(names.index("mlm") + 1 if "mlm" in names else len(names), "hf-mlm")
+        mlm_ms = None
         if args.interleave:
             built = {name: build(name, size, args, device) for name in names}
             timings = time_interleaved({name: b[0] for name, b in built.items()}, args)
         for name in names:
-            run = built.pop(name) if args.interleave else build(name, size, args, device)
-            step = run[0]
-            r = summarise(name, size, args, device, run, timings[name] if args.interleave else
-                          time_steps(step, args, device))
+            try:
+                run = built.pop(name) if args.interleave else build(name, size, args, device)
+                step = run[0]
+                r = summarise(name, size, args, device, run, timings[name] if args.interleave else
+                              time_steps(step, args, device))
+                mlm_ms = r["step_ms"] if name == "mlm" else mlm_ms
+                r["vs_mlm"] = r["step_ms"] / mlm_ms if mlm_ms else None
+                print(table_row(r), flush=True)
+                if args.profile:
+                    try:
+                        r["profile"] = profile_steps(step, args, device, f"{size} {name}")
+                    except Exception as e:  # the timing stands
+                        r["profile_error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+                        print(f"  profile failed: {r['profile_error']}", flush=True)
+            except Exception as e:  # one run's failure (out of memory, a compile error) keeps the others' rows
+                r = dict(model_size=size, objective=name, error=f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
+                print(f"{size:6} {name:9} failed: {r['error']}", flush=True)
+            step = run = None  # frees the model before the next run is built
             results.append(r)
-            mlm_ms = r["step_ms"] if name == "mlm" else mlm_ms
-            r["vs_mlm"] = r["step_ms"] / mlm_ms if mlm_ms else None
-            print(table_row(r), flush=True)
-            if args.profile:
-                r["profile"] = profile_steps(step, args, device, f"{size} {name}")
-            del step, run  # frees the model before the next run is built
             if args.json:  # after every run, so a run cut off by a time limit keeps what it measured
                 write_json(args.json, dict(info=info, results=results, hf_ratios=ratios))
-        ours = [r for r in results if r["model_size"] == size and r["objective"] == "mlm"]
-        if args.hf and ours:
-            ratios.append(hf_ratio(ours[0], results[-1]))
+        done = {r["objective"]: r for r in results if r["model_size"] == size and "error" not in r}
+        if "mlm" in done and "hf-mlm" in done:
+            ratios.append(hf_ratio(done["mlm"], done["hf-mlm"]))
             print(ratios[-1]["line"], flush=True)
+            if args.json:
+                write_json(args.json, dict(info=info, results=results, hf_ratios=ratios))
     if args.profile:  # the profiles interleaved the table: print it whole again
         print("\n" + HEADER)
-        print("\n".join([table_row(r) for r in results] + [ratio["line"] for ratio in ratios]))
+        print("\n".join([table_row(r) if "error" not in r else f"{r['model_size']:6} {r['objective']:9} failed"
+                         for r in results] + [ratio["line"] for ratio in ratios]))
     if args.json:
         write_json(args.json, dict(info=info, results=results, hf_ratios=ratios))
-    print(f"done in {time.perf_counter() - t_start:.0f} s", flush=True)
+    failed = [f"{r['model_size']} {r['objective']}" for r in results if "error" in r]
+    print(f"done in {time.perf_counter() - t_start:.0f} s" + (f"; failed: {', '.join(failed)}" if failed else ""),
+          flush=True)
     return results
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(1 if any("error" in r for r in main()) else 0)

@@ -174,10 +174,10 @@ def parse_args(argv, usage=None):
             sys.exit(0)
         if not arg.startswith("--"):
             raise ValueError(f"unexpected argument {arg!r} (flags look like --name value)")
-        name, _, value = arg[2:].partition("=")
+        name, eq, value = arg[2:].partition("=")
         if name not in spec:
             raise ValueError(f"unknown flag --{name} (see --help)")
-        if not _:
+        if not eq:
             is_bool = spec[name][0] is bool
             if i + 1 < len(argv) and not (is_bool and argv[i + 1].startswith("--")):
                 value, i = argv[i + 1], i + 1
@@ -264,12 +264,13 @@ def validate(cfg):
     for name, (low, high, low_in, high_in) in RANGES.items():
         v = getattr(cfg, name)
         need((v >= low if low_in else v > low) and (v <= high if high_in else v < high), name,
-             f"must be in {'[(' [not low_in]}{low}, {high}{')]'[high_in]}")
+             f"must be in {'[' if low_in else '('}{low}, {high}{']' if high_in else ')'}")
     need(cfg.seed < 2 ** 64, "seed", "must be < 2**64 (torch seeds are unsigned 64-bit integers)")
     need(cfg.data.strip(), "data", "must name a file, a directory, a glob or a hub dataset")
     need(cfg.warmup_steps <= cfg.max_steps, "warmup_steps", f"must be <= --max_steps {cfg.max_steps}")
     problem = pool_problem(cfg, cfg.negative_pool or cfg.batch_size)
-    need(not problem, *(problem or ("", "")))
+    if problem:
+        need(False, *problem)
     need(cfg.objective != "tacl" or cfg.init_from or cfg.resume, "init_from",
          "TaCL continues a trained model: pass --init_from a run dir or a Hugging Face BERT dir "
          "(e.g. first python train.py --objective mlm --out_dir out/mlm, then --init_from out/mlm)")

@@ -132,7 +132,7 @@ def hand_flops_per_token(objective, model, loss_fn, T):
     """The slow count: FLOPs of one packed block of T tokens from the shapes of the modules the
     objective built (every nn.Linear where it runs, 2 T^2 width per attention layer), over T."""
     config, D = model.config, model.config.hidden_size
-    masked = loss_fn.mask_prob * T
+    masked = loss_fn.generator.mask_prob * T
 
     def encoder_fwd(encoder, n):  # MACs of an encoder over n tokens
         width = encoder.layers[0].up.in_features
@@ -194,3 +194,23 @@ def test_flops_match_torch_flop_counter_on_a_real_step(objective, gen_shape, dro
     measured = counter.get_total_flops() / (B * T)
     # 1e-4: what the count leaves out, NT-Xent's (2B)^2 D similarities, is ~4e-6 of it here
     assert bench.objective_flops_per_token(objective, config, cfg, T) == pytest.approx(measured, rel=1e-4)
+
+
+def test_a_failing_run_keeps_the_other_rows_and_hf_runs_after_our_mlm(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("transformers")
+    real = bench.build_ours
+
+    def build_ours(cfg, *rest):
+        if cfg.objective == "taco":
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(cfg, *rest)
+    monkeypatch.setattr(bench, "build_ours", build_ours)
+    out = tmp_path / "bench.json"
+    results = bench.main(TINY + ["--objectives", "taco,mlm", "--hf", "--json", str(out)])
+    assert [r["objective"] for r in results] == ["taco", "mlm", "hf-mlm"]
+    assert "OutOfMemoryError" in results[0]["error"] and "error" not in results[1] and "error" not in results[2]
+    text = capsys.readouterr().out
+    assert "tiny   taco      failed: OutOfMemoryError" in text and "our MLM runs" in text and "failed: tiny taco" in text
+    import json
+    saved = json.loads(out.read_text())
+    assert len(saved["results"]) == 3 and len(saved["hf_ratios"]) == 1

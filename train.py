@@ -29,9 +29,20 @@ import torch.nn as nn
 from safetensors import SafetensorError
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import data
+from analysis import contextual_score, wordsim_similarity
 from config import RankError, init_dir, parse_args, pool_problem, resume_config, saved_config, validate
 from losses import LOSSES, generator_config
 from model import Bert, BertConfig, MODEL_PRESETS, write_atomic
+
+# a frozen or dead rank fails the others' next collective after this long, instead of hanging for good
+DDP_TIMEOUT = timedelta(minutes=15)
+# ranks > 0 wait while rank 0 trains the tokenizer and tokenizes the corpus, hours for a full
+# Wikipedia: that one barrier runs on its own gloo group with a long timeout (NCCL's default of
+# 10 min would kill the job), so the training collectives keep the short one above
+DATA_TIMEOUT = timedelta(hours=6)
+NOT_YET = 2 ** 62  # first_bad holds this until a non-finite loss or gradient norm is seen
+MIN_LOSS_SCALE = 1e-4  # fp16: a GradScaler scale below this is a divergence (fairseq's --min-loss-scale)
 
 
 # ---------------------------------------------------------------------------------------
@@ -388,21 +399,8 @@ def main(argv=None):
         sys.exit(code)
 
 
-# a frozen or dead rank fails the others' next collective after this long, instead of hanging for good
-DDP_TIMEOUT = timedelta(minutes=15)
-# ranks > 0 wait while rank 0 trains the tokenizer and tokenizes the corpus, hours for a full
-# Wikipedia: that one barrier runs on its own gloo group with a long timeout (NCCL's default of
-# 10 min would kill the job), so the training collectives keep the short one above
-DATA_TIMEOUT = timedelta(hours=6)
-NOT_YET = 2 ** 62  # first_bad holds this until a non-finite loss or gradient norm is seen
-MIN_LOSS_SCALE = 1e-4  # fp16: a GradScaler scale below this is a divergence (fairseq's --min-loss-scale)
-
-
 def train(cfg, ckpt=None):
     """The run. Returns 0, or 128 + the signal number when SIGINT / SIGTERM stopped it."""
-    import data
-    from analysis import contextual_score, wordsim_similarity
-
     # ---- distributed setup: torchrun sets RANK / WORLD_SIZE / LOCAL_RANK
     ddp = "RANK" in os.environ
     device = cfg.device if cfg.device != "auto" else (
