@@ -578,7 +578,7 @@ def glue_task(task, raw, args, base, tok, size, overrides, seeds, device, out, m
             predictions[stem] = f"missing: {ds}"
         else:
             tests[stem] = (ds["index"], enc(ds))
-    t0, runs, best_score, best_label, best_preds = time.time(), {}, None, None, None
+    t0, runs, best_score, best_label, best_preds, best_model = time.time(), {}, None, None, None, None
     for k, hp in enumerate(hps):
         total, warmup, note = schedule_steps(hp, len(raw["train"]), n_full, args.warmup is not None)
         if note:
@@ -599,8 +599,8 @@ def glue_task(task, raw, args, base, tok, size, overrides, seeds, device, out, m
                 best_score, best_label = dev_score, label
                 best_preds = {stem: predict(model, test, cfg.pad_token_id, device, bf16=bf16)
                               for stem, (_, test) in tests.items()}
-                if args.save_model:
-                    save_classifier(model, task, os.path.join(out, "models", task.dir), model_dir)
+                if args.save_model:  # kept on the CPU and written once the task is done, not at each new best
+                    best_model = model.cpu()
             del model
     keys = list(next(iter(runs.values()))["scores"])
     result = dict(
@@ -613,6 +613,8 @@ def glue_task(task, raw, args, base, tok, size, overrides, seeds, device, out, m
            if args.recipe == "paper" and size == "base" else {}))
     if best_label is not None:
         result["predicted_by"] = best_label
+    if best_model is not None:
+        save_classifier(best_model, task, os.path.join(out, "models", task.dir), model_dir)
     for stem, (index, _) in tests.items():  # submission files, as soon as the task is done
         os.makedirs(out, exist_ok=True)
         write_submission(os.path.join(out, stem + ".tsv"), task, index, best_preds[stem])

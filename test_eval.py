@@ -319,6 +319,25 @@ def test_max_samples_and_default_out(tmp_path, tiny_model_dir, capsys, monkeypat
     assert out.count("warm-up steps shrink") == 1
 
 
+def test_save_model_writes_the_best_run_once(tmp_path, tiny_model_dir, monkeypatch):
+    glue = write_glue(tmp_path / "glue")
+    trained, saved = [], []
+    finetune = ev.finetune
+
+    def recording_finetune(*args, **kwargs):  # each run better on dev than the one before
+        model, history = finetune(*args, **kwargs)
+        trained.append(model)
+        history[-1]["scores"] = {k: 10.0 * len(trained) for k in history[-1]["scores"]}
+        return model, history
+    monkeypatch.setattr(ev, "finetune", recording_finetune)
+    monkeypatch.setattr(ev, "save_classifier", lambda model, *args: saved.append(model))
+    ev.main(["--model", str(tiny_model_dir), "--glue_dir", str(glue), "--tasks", "sts-b", "--epochs", "1",
+             "--seeds", "1,2,3", "--max_train_samples", "10", "--save_model", "--out", str(tmp_path / "out")])
+    best = json.loads((tmp_path / "out" / "glue.json").read_text())["tasks"]["stsb"]["predicted_by"]
+    assert len(trained) == 3 and len(saved) == 1  # once per task, not at each new best
+    assert best == "seed 3" and saved[0] is trained[2]
+
+
 # ----------------------------------------------------------------------------------------------
 # recipes: TACO App. A, Tables 6-8
 
