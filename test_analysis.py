@@ -409,8 +409,12 @@ def test_every_model_is_checked_first_and_its_step_recorded(tok, tmp_path, monke
     with pytest.raises(ValueError, match="not a checkpoint"):
         A.run_analysis(SimpleNamespace(model=[str(good), str(tmp_path / "notes")], out=None, text=str(text)))
     assert capsys.readouterr().out == ""
-    results = A.run_analysis(SimpleNamespace(model=[str(good)], out=None, text=str(text)))
+    fcntl = pytest.importorskip("fcntl")
+    with open(good / ".lock", "a+") as held:  # a train.py still writing the run: its export moves on
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        results = A.run_analysis(SimpleNamespace(model=[str(good)], out=None, text=str(text)))
     assert results["models"]["run"]["training_step"] == 12  # which export of the run was analysed
+    assert f"note: {good} is still training" in capsys.readouterr().out
 
 
 def test_stsb_offline_is_one_line_and_the_rest_completes(tok, tmp_path, monkeypatch, capsys):

@@ -4,6 +4,7 @@ import json
 from dataclasses import asdict
 import math
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -661,6 +662,31 @@ def test_base_protocol_end_to_end(tmp_path, tiny_model_dir):
     best = max(cola["runs"], key=lambda label: cola["runs"][label]["scores"]["mcc"])
     assert cola["predicted_by"] == best  # the test set is predicted by the best combination on dev
     assert "mean of 2 combinations x 1 seed" in (out / "glue.md").read_text()
+
+
+def test_a_grid_smaller_than_num_combos_runs_whole_and_a_cpu_runs_fp32_and_a_live_run_is_noted(
+        tmp_path, tiny_model_dir, monkeypatch, capsys):
+    fcntl = pytest.importorskip("fcntl")
+
+    def fake_finetune(base, task, data, hp, seed, *args):
+        return torch.nn.Linear(1, 1), [dict(scores=dict(mcc=10.0, f1=20.0, acc=30.0), collapsed=False)]
+    monkeypatch.setattr(ev, "finetune", fake_finetune)
+    monkeypatch.setitem(ev.BASE_GRID, "mrpc", dict(lr=(1e-5, 2e-5), batch_size=(16,), epochs=(4,), warmup=(100,)))
+    run = tmp_path / "run"
+    shutil.copytree(tiny_model_dir, run)
+    out = tmp_path / "out"
+    with open(run / ".lock", "a+") as held:  # a train.py still writing this run
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        ev.main(["--model", str(run), "--glue_dir", str(write_glue(tmp_path / "glue")), "--tasks", "cola,mrpc",
+                 "--model_size", "base", "--num_combos", "3", "--precision", "bf16", "--device", "cpu",
+                 "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert "is still training" in printed and "step 5 export" in printed, printed
+    saved = json.loads((out / "glue.json").read_text())
+    assert [len(saved["tasks"][t]["runs"]) for t in ("cola", "mrpc")] == [3, 2]  # mrpc's grid holds 2
+    assert saved["runs_per_task"] == 3 and "(fewer on tasks whose grid is smaller)" in saved["runs_label"]
+    # bf16 autocast is CUDA-only here: what ran on the CPU, and glue.json says, is fp32
+    assert {r["hparams"]["precision"] for t in ("cola", "mrpc") for r in saved["tasks"][t]["runs"].values()} == {"fp32"}
 
 
 @pytest.mark.parametrize("predict_seed, chosen", [(None, 2), (3, 3)])

@@ -1105,10 +1105,10 @@ def test_generator_forwards_and_sampling_logits(monkeypatch, name):
 def test_generator_masking_split(monkeypatch, name, fracs):
     # [MASK] / random / unchanged: COCO-LM's BERT 80/10/10, ELECTRA's 85/0/15 (official mask_prob split)
     seen, real = [], losses.mask_tokens
-    monkeypatch.setattr(losses, "mask_tokens", lambda *args: seen.append(args[4:6]) or real(*args))
+    monkeypatch.setattr(losses, "mask_tokens", lambda *args: seen.append(args[3:6]) or real(*args))
     model = tiny_model()
-    build(name, model)(model, make_batch(), seeded())
-    assert seen == [fracs]
+    build(name, model, mask_prob=0.3)(model, make_batch(), seeded())
+    assert seen == [(0.3, *fracs)]  # and --mask_prob reaches the generator
 
 
 @pytest.mark.parametrize("gen_shape", ["cocolm", "electra"])

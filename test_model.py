@@ -186,6 +186,14 @@ def test_padded_vocab_rows_never_predicted():
     assert m.mlm_logits(torch.randn(5, 32)).shape == (5, 100)
 
 
+def test_loaded_weights_leave_the_padded_vocab_rows_zero(tmp_path):
+    # the checkpoint holds vocab_size rows: the padding rows are zeros, not this process's random init
+    m = Bert.from_pretrained(save_hf(hf_tiny(), str(tmp_path)))
+    assert m.embeddings.word.weight.shape[0] == 128 and m.head.bias.shape[0] == 128
+    assert not m.embeddings.word.weight[100:].any() and not m.head.bias[100:].any()
+    assert m.embeddings.word.weight[:100].any()
+
+
 def test_too_long_sequence_is_a_clear_error():
     m = Bert(BertConfig(**TINY))
     with pytest.raises(ValueError, match="max_position_embeddings"):
@@ -220,6 +228,10 @@ def test_bad_checkpoints_are_clear_errors(tmp_path):
     (lambda s: s.pop("bert.pooler.dense.bias"), "bert.pooler.dense.bias is missing"),
     (lambda s: s.update({"bert.pooler.dense.weight": s["bert.pooler.dense.weight"][:4]}), "is (4, 32)"),
     (lambda s: s.update({"bert.embeddings.LayerNorm.weight": torch.ones(32, dtype=torch.int64)}), "holds torch.int64"),
+    # the vocabulary rows are stored unpadded: exactly vocab_size of them, not fewer (zero-padded up) or more
+    (lambda s: s.update({"bert.embeddings.word_embeddings.weight": s["bert.embeddings.word_embeddings.weight"][:99]}),
+     "has shape (99, 32), expected (100, 32)"),
+    (lambda s: s.update({"cls.predictions.bias": torch.zeros(101)}), "has shape (101,), expected (100,)"),
 ])
 def test_weights_of_the_wrong_kind_are_clear_errors(tmp_path, edit, problem):
     from safetensors.torch import load_file, save_file
@@ -324,6 +336,8 @@ def test_a_detector_run_checkpoint_says_its_mlm_head_is_untrained(tmp_path):
         torch.save(dict(model=model.state_dict(), model_config=asdict(model.config), config={"objective": objective}),
                    str(tmp_path / "ckpt.pt"))
         assert Bert.from_pretrained(str(tmp_path / "ckpt.pt")).fresh_head is fresh, objective
+    torch.save(dict(model=model.state_dict(), model_config=asdict(model.config), step=9), str(tmp_path / "ckpt.pt"))
+    assert Bert.from_pretrained(str(tmp_path / "ckpt.pt")).training_step == 9  # eval.py --model .../ckpt.pt
 
 
 def test_an_export_says_its_step_and_whether_its_run_is_still_training(tmp_path):
@@ -336,8 +350,11 @@ def test_an_export_says_its_step_and_whether_its_run_is_still_training(tmp_path)
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
         assert still_training(str(run)) and still_training(str(run / "ckpt.pt"))
     assert not still_training(str(run))  # released, however its holder ended
-    # a torn export of a run that has its ckpt.pt: the error says how to rewrite it
-    (run / "ckpt.pt").write_bytes(b"")
+    # a torn export of a run that has its ckpt.pt: the error says how to rewrite it (without one, nothing can)
     (run / "model.safetensors").write_bytes((run / "model.safetensors").read_bytes()[:100])
+    with pytest.raises(ValueError, match="corrupt weights file") as info:
+        Bert.from_pretrained(str(run))
+    assert "--resume" not in str(info.value)
+    (run / "ckpt.pt").write_bytes(b"")
     with pytest.raises(ValueError, match=r"corrupt weights file .*train.py --resume .* rewrites it from ckpt.pt"):
         Bert.from_pretrained(str(run))

@@ -592,6 +592,10 @@ def test_provenance_records_commit_and_diff(corpus, cache, tmp_path, capsys, mon
     diff = (tmp_path / "out" / "code.diff").read_text()
     assert prov["git_commit"] == head and prov["dirty"] and "+weight = 0.5" in diff
     assert prov["diff_sha1"] == hashlib.sha1(diff.encode()).hexdigest()
+    # a resume's local changes go to code-step{N}.diff, and its done line names that file
+    code, out, err = run_main(["--resume", tmp_path / "run", "--max_steps", "6"], capsys)
+    assert code == 0, err
+    assert (tmp_path / "run" / "code-step5.diff").is_file() and "log.jsonl, code-step5.diff" in out, out[-500:]
     # an ablation in a new, untracked module is part of the code that ran
     git("checkout", "-q", "losses.py")
     (repo / "my_loss.py").write_text("def loss(): return 0\n")
@@ -608,8 +612,9 @@ def test_resume_applies_the_new_optimizer_flags_dropout_and_dtype(corpus, cache,
     # the saved param groups and model config must not silently override what the flags say now;
     # an fp32 checkpoint (empty GradScaler state) resumes under fp16 without a traceback
     out_dir = tmp_path / "run"
-    code, _, err = run_main(flags(corpus, cache, out_dir, max_steps=10), capsys)
+    code, out, err = run_main(flags(corpus, cache, out_dir, max_steps=10), capsys)
     assert code == 0, err
+    assert "on a CPU" not in out  # fp32
     seen = {}
     real_step = torch.optim.AdamW.step
 
@@ -627,9 +632,10 @@ def test_resume_applies_the_new_optimizer_flags_dropout_and_dtype(corpus, cache,
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(torch.optim.AdamW, "step", spy)
         mp.setattr(model.Bert, "__init__", keep)
-        code, _, err = run_main(["--resume", out_dir, "--max_steps", "12", "--weight_decay", "0.5", "--beta2", "0.9",
+        code, out, err = run_main(["--resume", out_dir, "--max_steps", "12", "--weight_decay", "0.5", "--beta2", "0.9",
                                  "--adam_eps", "1e-3", "--dropout", "0.3", "--dtype", "fp16"], capsys)
     assert code == 0, err
+    assert "note: --dtype fp16 on a CPU" in out  # slower than fp32 there
     assert seen["weight_decay"] == 0.5 and seen["betas"] == (0.9, 0.9) and seen["eps"] == 1e-3
     assert seen["dropout"] and set(seen["dropout"]) == {0.3}
 

@@ -1,5 +1,6 @@
 """reproduce.py: the toy scale end to end (pretrain, continue, GLUE, analysis, report) on a tiny
 synthetic corpus and tiny synthetic GLUE TSVs; stages are skipped when done; log parsing."""
+import glob
 import importlib.util
 import json
 import math
@@ -640,8 +641,65 @@ def test_relative_data_globs_and_torchrun(tmp_path, monkeypatch):
                            "--out_dir", str(tmp_path / "o")], cwd=HERE, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "-m torch.distributed.run --standalone --nproc_per_node=2 train.py --objective " \
         "mlm" in proc.stdout, proc.stderr
+    # a killed run resumes under torchrun too
+    (tmp_path / "o" / "reproduce.json").parent.mkdir()
+    (tmp_path / "o" / "reproduce.json").write_text(json.dumps(SETTINGS))
+    make_run(tmp_path / "o", "mlm", 10)
+    proc = subprocess.run([sys.executable, "reproduce.py", "--dry_run", "--nproc_per_node", "2", "--only", "mlm",
+                           "--out_dir", str(tmp_path / "o")], cwd=HERE, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "-m torch.distributed.run --standalone --nproc_per_node=2 train.py --resume " \
+        in proc.stdout, proc.stdout + proc.stderr
+    # a glob relative to a folder whose name holds glob characters: the folder is matched literally
+    (tmp_path / "in[1]").mkdir()
+    (tmp_path / "in[1]" / "b.txt").write_text("Some text.\n")
+    monkeypatch.chdir(tmp_path / "in[1]")
+    args = reproduce.parse(["--data", "*.txt", "--out_dir", str(tmp_path / "o2")])
+    assert glob.glob(args.data) == [str(tmp_path / "in[1]" / "b.txt")], args.data
     monkeypatch.setenv("RANK", "0")  # started by torchrun: each rank would run the whole reproduction
     assert "not torchrun" in reproduce_error(["--out_dir", str(tmp_path / "o")], tmp_path)
+
+
+def test_a_task_named_twice_is_fine_tuned_once(tmp_path):
+    args = reproduce.parse(["--tasks", "cola,CoLA,stsb,STS-B", "--out_dir", str(tmp_path / "o")])
+    assert args.tasks == "cola,stsb"
+
+
+def test_a_finished_continuation_without_its_checkpoint_is_checked_against_the_mlm_run(tmp_path):
+    # killed while writing its last ckpt.pt, after the export: its export was still made from another mlm export
+    out = tmp_path / "repro"
+    out.mkdir()
+    (out / "reproduce.json").write_text(json.dumps(SETTINGS))
+    make_run(out, "mlm", 20)
+    make_run(out, "tacl", 10)
+    (out / "tacl" / "ckpt.pt").unlink()
+    (out / "tacl" / "reproduce_init.json").write_text(json.dumps({"mlm_export": "-@15"}))
+    proc, calls = fake_reproduce(tmp_path, "--objectives", "tacl", "--only", "continue,tacl")
+    assert proc.returncode == 1 and "continued from another mlm run or step" in proc.stderr and not calls, \
+        proc.stdout + proc.stderr
+
+
+def test_the_report_leaves_out_an_analysis_of_another_export(tmp_path):
+    # --only report after mlm was trained again: the old run's analysis.json must not pass for the new one's
+    out = tmp_path / "repro"
+    out.mkdir()
+    run = make_run(out, "mlm", 20)
+    (run / "reproduce_init.json").write_text(json.dumps({"run_id": "new"}))
+    (out / "analysis").mkdir()
+    args = reproduce.argparse.Namespace(scale="toy", data="", seed=1, tasks="cola,stsb", seeds="1,2",
+                                        out_dir=str(out), steps=20, extra_steps=10)
+    for stamp, contextual in (("old@20", None), ("new@10", None), ("new@20", 0.5)):
+        (out / "analysis" / "analysis.json").write_text(json.dumps({
+            "exports": {"mlm": stamp}, "models": {"mlm": {"contextual": {"contextual": 0.5}}}}))
+        assert reproduce.collect(args, ["mlm"])["runs"]["mlm"]["analysis"]["contextual"] == contextual, stamp
+
+
+def test_a_stop_names_the_script_that_ran_under_torchrun_too(tmp_path, capsys):
+    # cmd[1] is "-m" under torchrun: the line names the .py script
+    child = "import os, signal, time; time.sleep(1); os.kill(os.getppid(), signal.SIGTERM); time.sleep(30)"
+    with pytest.raises(SystemExit) as exit_info:
+        reproduce.run_cmd([sys.executable, "-c", child, "train.py"], str(tmp_path / "out.log"), False)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 128 + signal.SIGTERM and "stopped by SIGTERM (train.py exited" in err, err
 
 
 def test_a_failed_or_stopped_call_counts_its_time(tmp_path):

@@ -2,6 +2,7 @@
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -67,6 +68,10 @@ def test_flags_presets_and_types():
                      (["--preset", "huge"], "unknown preset"), (["--compile", "maybe"], "true or false")):
         with pytest.raises(ValueError, match=msg):
             config.parse_args(bad)
+    # a range's message marks its closed and open ends
+    for field, value, msg in (("dropout", 1.0, "[0, 1)"), ("mask_prob", 0.0, "(0, 1)")):
+        with pytest.raises(ValueError, match=re.escape(f"must be in {msg}")):
+            config.validate(config.TrainConfig(**{field: value}))
 
 
 def test_cache_dir_is_absolute(tmp_path, monkeypatch):
@@ -104,7 +109,7 @@ def test_micro_batching_keeps_the_global_batch():
         train.micro_batching(tacl, 3)  # 65,536 tokens do not split over 3 processes
     base = config.TrainConfig(**config.PRESETS["base"], objective="taco")  # 1,280 x 256 per step, pools of 80
     assert train.micro_batching(base, 1) == (80, 16) and train.micro_batching(base, 16) == (80, 1)
-    with pytest.raises(ValueError, match="negative_pool 80"):
+    with pytest.raises(ValueError, match="negative_pool 80.* with 32 process.* allows 40$"):
         train.micro_batching(base, 32)  # 40 sequences per process: no whole pool of 80
     # the smoke flags on 16 processes leave 1 sequence each: COCO-LM's NT-Xent would have no negative (loss 0)
     smoke = config.TrainConfig(objective="cocolm")
