@@ -541,8 +541,7 @@ def run_analysis(args):
     if problem:  # before any work: the default --out is the model's own directory
         raise ValueError(f"cannot write the analysis into {out}: it {problem}; pass --out DIR")
     os.makedirs(out, exist_ok=True)
-    loaded = {}  # every model and tokenizer first: a bad --model is one error line before any work
-    for label, path in zip(_labels(models), models):
+    for path in models:  # every model checked first, one at a time: a bad --model is one line before any work
         model, tok = Bert.from_pretrained(path), load_tokenizer(path)
         if tok.get_vocab_size() > model.config.vocab_size:  # ids beyond the embedding: not this model's tokenizer
             raise ValueError(f"{path}: the tokenizer has {tok.get_vocab_size()} tokens, the model "
@@ -550,7 +549,7 @@ def run_analysis(args):
         if still_training(path):
             print(f"note: {path} is still training (a train.py holds its .lock): this analyses its step "
                   f"{model.training_step} export, and analysis.json records that step")
-        loaded[label] = path, model, tok
+        del model  # loaded again at its turn: six base models at once would hold 2.6 GB
     documents, text_source = held_out_documents(args.text, models[0])
     sentences = load_sentences(documents, args.num_sentences, args.seed)
     if len(sentences) < 2:
@@ -568,10 +567,9 @@ def run_analysis(args):
                "stsb": stsb_source and f"{stsb_source} (validation split)", "heatmap_sentence": heatmap_sentence,
                "models": {}}
     raws = {}
-    for label in list(loaded):
-        path, model, tok = loaded.pop(label)  # the only reference: freed after its turn
+    for label, path in zip(_labels(models), models):
         print(f"analysing {path}")
-        model = model.to(device).eval()
+        model, tok = Bert.from_pretrained(path).to(device).eval(), load_tokenizer(path)
         max_len = min(args.max_len, model.config.max_position_embeddings)  # as eval.py's GLUE does
         result, raws[label] = analyze_model(model, tok, sentences, max_len, device, args.seed, stsb_rows,
                                             heatmap_sentence)

@@ -297,6 +297,9 @@ def validate(cfg):
     if not cfg.resume and os.path.isfile(os.path.join(cfg.out_dir, "ckpt.pt")):
         raise ValueError(f"--out_dir {cfg.out_dir} already holds a run: pass --resume {cfg.out_dir} to continue "
                          f"it, or choose another --out_dir")
+    if not cfg.resume and os.path.isfile(os.path.join(cfg.out_dir, "config.json")):
+        raise ValueError(f"--out_dir {cfg.out_dir} holds a model (config.json) but no ckpt.pt to resume: a new run "
+                         f"would overwrite it; choose another --out_dir, or delete that one to train again")
 
 
 class Parser(argparse.ArgumentParser):

@@ -549,6 +549,9 @@ def validate_args(args):
         raise ValueError(f"--glue_dir {args.glue_dir}: not a directory (the folder holding CoLA/, SST-2/, ...)")
     if args.out is not None:
         png = args.plot_log and not args.analysis and args.out.endswith(".png")  # plot_logs takes a file
+        if png and args.model:
+            raise ValueError(f"--out {args.out}: GLUE (--model without --analysis) writes into a directory; "
+                             f"plot into it (--out DIR) or run --plot_log alone")
         problem = dir_problem((os.path.dirname(args.out) or ".") if png else args.out)
         if problem:
             raise ValueError(f"--out {args.out}: {problem}")
@@ -624,6 +627,8 @@ def glue_task(task, raw, args, base, tok, size, overrides, seeds, device, out, m
 
 def run_glue(args, log=print):
     validate_args(args)
+    if isinstance(args.model, str):  # a caller's one path; the command line gives a list
+        args.model = [args.model]
     if not args.model:
         raise ValueError("--model is required: a run directory, a Hugging Face BERT directory or a ckpt.pt")
     if len(args.model) != 1:  # the command line's --model takes several for --analysis

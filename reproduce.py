@@ -349,11 +349,14 @@ def continue_run(args, scale, name):
     if not run_finished(mlm, args.steps) and not args.dry_run:
         sys.exit(f"error: {name} continues from the mlm run, which has not finished its {args.steps} steps: "
                  f"pretrain it first (--only pretrain,mlm)")
-    began = (read_json(os.path.join(run_dir, "reproduce_init.json")) or {}).get("mlm_export")
+    init = read_json(os.path.join(run_dir, "reproduce_init.json")) or {}
+    began, now = init.get("mlm_export"), export_id(mlm)
+    if began is None and "mlm_step" in init:  # written by an earlier reproduce.py: the step alone
+        began, now = init["mlm_step"], export_step(mlm)
     saved = any(os.path.isfile(os.path.join(run_dir, f)) for f in ("ckpt.pt", "config.json"))
-    if saved and began is not None and began != export_id(mlm):
+    if saved and began is not None and began != now:
         sys.exit(f"error: {run_dir} was continued from another mlm run or step (export {began}, now "
-                 f"{export_id(mlm)}): delete {run_dir} to continue it again from the mlm run")
+                 f"{now}): delete {run_dir} to continue it again from the mlm run")
     extra = ["--init_from", mlm, "--lr", str(scale["continue_lr"])]
     pretrain(args, scale, name, CONTINUED[name], args.extra_steps, extra, dict(mlm_export=export_id(mlm)))
 
@@ -744,6 +747,23 @@ def parse(argv):
     return args
 
 
+def nproc_problem(args):
+    """Why train.py would refuse the scale's batch split over --nproc_per_node processes (its micro_batching:
+    whole micro-batches per process, whole negative pools), asked of train.py's own code before any
+    pretraining; None when every run of this call fits."""
+    check = ("import json, sys, config, train\n"
+             "for objective in sys.argv[3:]:\n"
+             "    cfg = config.parse_args(['--objective', objective, *json.loads(sys.argv[1])])[0]\n"
+             "    try:\n"
+             "        train.micro_batching(cfg, int(sys.argv[2]))\n"
+             "    except ValueError as e:\n"
+             "        sys.exit(f'{objective}: {e}')\n")
+    objectives = sorted({CONTINUED.get(r, r) for r in args.selected})
+    done = subprocess.run([sys.executable, "-c", check, json.dumps(SCALES[args.scale]["train"]),
+                           str(args.nproc_per_node), *objectives], cwd=HERE, capture_output=True, text=True)
+    return done.stderr.strip().splitlines()[-1] if done.returncode else None
+
+
 def check_glue_source(args):
     """GLUE's data, looked for before any pretraining: the hub must answer, or --glue_dir hold some task."""
     tasks = args.tasks.split(",")
@@ -796,6 +816,10 @@ def main(argv=None):
 
 
 def reproduce(args):
+    if args.nproc_per_node > 1 and {"pretrain", "continue"} & set(args.stages):
+        problem = nproc_problem(args)
+        if problem:
+            args.p.error(f"--nproc_per_node {args.nproc_per_node}: {problem}")
     check_glue_source(args)
     if not args.dry_run:
         try:

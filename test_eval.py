@@ -500,6 +500,7 @@ BAD_FLAGS = [  # (flags, what the error line must name)
     (["--num_combos", "0"], "--num_combos 0"), (["--glue_dir", "{tmp}/nowhere"], "--glue_dir"),
     (["--out", "{tmp}/a_file"], "--out"), (["--out", "{tmp}/a_file/sub"], "--out {tmp}/a_file/sub: cannot be created"),
     (["--plot_log", "{tmp}"], "--plot_log"),
+    (["--plot_log", "{tmp}/a_file", "--out", "{tmp}/curves.png"], "GLUE (--model without --analysis) writes into a dir"),
     (["--plot_log", "{tmp}/missing.jsonl"], "--plot_log"), (["--text", "{tmp}/missing.txt", "--analysis"], "--text"),
 ]
 

@@ -136,6 +136,12 @@ def test_a_run_stopped_before_its_first_checkpoint_starts_again_and_says_so(corp
     (tmp_path / "run" / "log.jsonl").write_text('{"config": {}}\n{"step": 5, "loss": 9.0}\n')
     code, out, err = run_main(flags(corpus, cache, tmp_path / "run", max_steps=2), capsys)
     assert code == 0 and "holds a run stopped before its first checkpoint: it starts again from step 0" in out, err
+    # a finished export whose ckpt.pt is gone (or any model directory) is not trained over
+    os.remove(tmp_path / "run" / "ckpt.pt")
+    export = (tmp_path / "run" / "model.safetensors").read_bytes()
+    code, out, err = run_main(flags(corpus, cache, tmp_path / "run", max_steps=2), capsys)
+    assert code == 2 and (tmp_path / "run" / "model.safetensors").read_bytes() == export
+    one_error(err, "holds a model (config.json) but no ckpt.pt")
 
 
 def test_a_fixed_cuda_device_under_torchrun_is_refused(corpus, cache, tmp_path, capsys, monkeypatch):

@@ -505,9 +505,10 @@ def test_continuations_start_from_the_finished_mlm_run(tmp_path):
     # whether it is still running or has finished
     for step in (5, 10):
         make_run(out, "tacl", step)
-        (out / "tacl" / "reproduce_init.json").write_text(json.dumps({"mlm_export": "-@15"}))
-        proc, calls = fake_reproduce(tmp_path, "--objectives", "tacl", "--only", "continue,tacl")
-        assert proc.returncode == 1 and "continued from another mlm run or step" in proc.stderr and not calls
+        for init in ({"mlm_export": "-@15"}, {"mlm_step": 15}):  # the latter: an earlier reproduce.py's record
+            (out / "tacl" / "reproduce_init.json").write_text(json.dumps(init))
+            proc, calls = fake_reproduce(tmp_path, "--objectives", "tacl", "--only", "continue,tacl")
+            assert proc.returncode == 1 and "continued from another mlm run or step" in proc.stderr and not calls
 
 
 def test_glue_needs_every_task_and_a_stopped_glue_keeps_its_tasks(tmp_path):
@@ -655,6 +656,9 @@ def test_relative_data_globs_and_torchrun(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path / "in[1]")
     args = reproduce.parse(["--data", "*.txt", "--out_dir", str(tmp_path / "o2")])
     assert glob.glob(args.data) == [str(tmp_path / "in[1]" / "b.txt")], args.data
+    # a split train.py would refuse (here COCO-LM's pool of 64 in 256 / 8 sequences) is refused before any run
+    line = reproduce_error(["--scale", "mini", "--nproc_per_node", "8", "--out_dir", str(tmp_path / "o8")], tmp_path)
+    assert "--nproc_per_node 8: cocolm: --negative_pool 64" in line and not (tmp_path / "o8").exists()
     monkeypatch.setenv("RANK", "0")  # started by torchrun: each rank would run the whole reproduction
     assert "not torchrun" in reproduce_error(["--out_dir", str(tmp_path / "o")], tmp_path)
 
