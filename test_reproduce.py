@@ -409,6 +409,14 @@ def fake_reproduce(tmp_path, *argv, **env):
     return proc, calls
 
 
+def repro_dir(tmp_path):
+    """tmp_path/repro as reproduce.py leaves it before any run: its settings file only."""
+    out = tmp_path / "repro"
+    out.mkdir()
+    (out / "reproduce.json").write_text(json.dumps(SETTINGS))
+    return out
+
+
 def make_run(out, name, step):
     """A run's files as train.py leaves them with its checkpoint and export at `step`."""
     run = out / name
@@ -439,9 +447,7 @@ def test_glue_and_analysis_wait_for_a_run_to_finish(tmp_path):
     # a run killed at step 10 of 20: GLUE and the analysis must not score it (its export moves on when it
     # resumes), and what an earlier version scored there (GLUE at step 10, an analysis.json without the
     # steps) is redone
-    out = tmp_path / "repro"
-    out.mkdir()
-    (out / "reproduce.json").write_text(json.dumps(SETTINGS))
+    out = repro_dir(tmp_path)
     make_run(out, "mlm", 20)
     taco = make_run(out, "taco", 10)
     (taco / "glue.json").write_text(glue_json(cola=None, stsb=None))
@@ -472,9 +478,7 @@ def test_glue_and_analysis_wait_for_a_run_to_finish(tmp_path):
 
 def test_an_analysis_stopped_before_its_plots_is_redone(tmp_path):
     # analysis.py writes analysis.json, then its plots: only a call that exited 0 stamps the steps
-    out = tmp_path / "repro"
-    out.mkdir()
-    (out / "reproduce.json").write_text(json.dumps(SETTINGS))
+    out = repro_dir(tmp_path)
     make_run(out, "mlm", 20)
     (out / "analysis").mkdir()
     (out / "analysis" / "analysis.json").write_text(json.dumps({"models": {"mlm": {}}, "stsb": "x"}))
@@ -490,9 +494,7 @@ def test_an_analysis_stopped_before_its_plots_is_redone(tmp_path):
 
 
 def test_continuations_start_from_the_finished_mlm_run(tmp_path):
-    out = tmp_path / "repro"
-    out.mkdir()
-    (out / "reproduce.json").write_text(json.dumps(SETTINGS))
+    out = repro_dir(tmp_path)
     make_run(out, "mlm", 10)  # killed at step 10 of 20
     proc, calls = fake_reproduce(tmp_path, "--objectives", "tacl", "--only", "continue")
     assert proc.returncode == 1 and "has not finished its 20 steps" in proc.stderr and not calls, proc.stderr
@@ -512,9 +514,7 @@ def test_continuations_start_from_the_finished_mlm_run(tmp_path):
 
 
 def test_glue_needs_every_task_and_a_stopped_glue_keeps_its_tasks(tmp_path):
-    out = tmp_path / "repro"
-    out.mkdir()
-    (out / "reproduce.json").write_text(json.dumps(SETTINGS))
+    out = repro_dir(tmp_path)
     run = make_run(out, "mlm", 20)
     # STS-B is missing from --glue_dir: GLUE is not done (and says so), and is finished once STS-B is there
     (run / "glue.json").write_text(glue_json(cola=20, stsb="missing"))
@@ -595,9 +595,7 @@ def test_a_dry_run_writes_nothing_and_ctrl_c_is_one_line(tmp_path, monkeypatch, 
 
 
 def test_a_dry_run_merges_no_glue_part_and_a_part_absorbed_twice_counts_once(tmp_path):
-    out = tmp_path / "repro"
-    out.mkdir()
-    (out / "reproduce.json").write_text(json.dumps(SETTINGS))
+    out = repro_dir(tmp_path)
     run = make_run(out, "mlm", 20)
     (run / "glue.part").mkdir()
     part = {"seeds": [1, 2], "tasks": {"cola": {"status": "ok", "runs": {}, "time_s": 5.0}}}
@@ -670,9 +668,7 @@ def test_a_task_named_twice_is_fine_tuned_once(tmp_path):
 
 def test_a_finished_continuation_without_its_checkpoint_is_checked_against_the_mlm_run(tmp_path):
     # killed while writing its last ckpt.pt, after the export: its export was still made from another mlm export
-    out = tmp_path / "repro"
-    out.mkdir()
-    (out / "reproduce.json").write_text(json.dumps(SETTINGS))
+    out = repro_dir(tmp_path)
     make_run(out, "mlm", 20)
     make_run(out, "tacl", 10)
     (out / "tacl" / "ckpt.pt").unlink()
