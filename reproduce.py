@@ -414,13 +414,13 @@ def analyse(args, scale, runs):
     """eval.py --analysis on every finished run, all in one call (its plots compare them). analysis.json is
     stamped with each run's export_id once the call has succeeded."""
     out, path = os.path.join(args.out_dir, "analysis"), os.path.join(args.out_dir, "analysis", "analysis.json")
-    steps = {}
+    exports = {}
     for name in runs:
         if args.dry_run or run_finished(os.path.join(args.out_dir, name), steps_of(args, name)):
-            steps[name] = export_id(os.path.join(args.out_dir, name))
+            exports[name] = export_id(os.path.join(args.out_dir, name))
         elif os.path.isdir(os.path.join(args.out_dir, name)):
             print(f"[{name}] has not finished its {steps_of(args, name)} steps: not analysed yet")
-    if not steps:
+    if not exports:
         return
     done = read_json(path) or {}
     stamped = done.get("exports") if isinstance(done.get("exports"), dict) else {}
@@ -428,16 +428,16 @@ def analyse(args, scale, runs):
     stsb = os.path.join(args.glue_dir, "STS-B", "dev.tsv") if args.glue_dir else None
     stsb = stsb if stsb and os.path.isfile(stsb) else None
     stsb_new = not done.get("stsb") and stsb and done.get("stsb_tsv") != stsb
-    if all(step is not None and stamped.get(name) == step for name, step in steps.items()) and not stsb_new:
+    if all(made is not None and stamped.get(name) == made for name, made in exports.items()) and not stsb_new:
         print(f"analysis done already ({out})")
         return
-    cmd = [args.python, "eval.py", "--analysis", "--model", *[os.path.join(args.out_dir, r) for r in steps],
+    cmd = [args.python, "eval.py", "--analysis", "--model", *[os.path.join(args.out_dir, r) for r in exports],
            "--out", out, *scale["analysis"]]
     if args.glue_dir:  # STS-B dev pairs for COCO-LM's sentence-similarity analysis
         cmd += ["--glue_dir", args.glue_dir]
     run_cmd(cmd, os.path.join(args.out_dir, "analysis.out"), args.dry_run, scale["env"])
     if read_json(path) and not args.dry_run:
-        save_json({**read_json(path), "exports": steps, "stsb_tsv": stsb}, path)
+        save_json({**read_json(path), "exports": exports, "stsb_tsv": stsb}, path)
 
 
 # ---------------------------------------------------------------------------------------------
