@@ -103,22 +103,22 @@ def test_toy_end_to_end(tmp_path):
 
 
 def test_read_log_resumed_run(tmp_path):
-    """A resumed run repeats the steps after its checkpoint and restarts elapsed_s: the last record
-    of a step wins and the wall-clock sums the segments."""
+    """A resumed run repeats the steps after its checkpoint and goes on from the checkpoint's
+    elapsed_s: the last record of a step wins and the wall-clock is the last elapsed_s."""
     path = tmp_path / "log.jsonl"
     records = [{"config": {"objective": "mlm"}, "provenance": {"commit": "abc"}},
                {"step": 0, "val_mlm_loss": 9.0},
                {"step": 10, "loss": 8.0, "elapsed_s": 5.0, "tokens_per_s": 100.0},
                {"step": 20, "loss": 7.0, "elapsed_s": 10.0, "tokens_per_s": 100.0},
-               {"step": 20, "loss": 7.1, "elapsed_s": 4.0, "tokens_per_s": 120.0},  # resumed from step 10
-               {"step": 30, "loss": 6.0, "elapsed_s": 8.0, "tokens_per_s": 120.0},
+               {"step": 20, "loss": 7.1, "elapsed_s": 9.0, "tokens_per_s": 120.0},  # resumed from step 10 (5 s)
+               {"step": 30, "loss": 6.0, "elapsed_s": 13.0, "tokens_per_s": 120.0},
                {"step": 30, "val_mlm_loss": 6.5}]
     path.write_text("\n".join(json.dumps(r) for r in records) + '\n{"step": 40, "lo')  # a line cut by a kill
     header, train, evals = reproduce.read_log(str(path))
     assert header["provenance"] == {"commit": "abc"}
     assert [t["step"] for t in train] == [10, 20, 30] and train[1]["loss"] == 7.1
     assert [e["step"] for e in evals] == [0, 30]
-    assert reproduce.wall_clock(train) == pytest.approx(5.0 + 8.0)  # 10 s before the kill is not seen: 5 + 8
+    assert reproduce.wall_clock(train) == 13.0  # the 10 s to the kill are not counted: 5 + 8
     assert reproduce.mean_std([1.0, 3.0]) == (2.0, pytest.approx(math.sqrt(2)))
 
 

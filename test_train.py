@@ -367,10 +367,13 @@ def test_sigkill_then_resume_continues_the_same_curve(corpus, tmp_path):
     proc.wait()
     _, before = read_log(tmp_path / "killed")
     assert max(x["step"] for x in before) < 60, "the run finished before it could be killed"
+    saved = torch.load(tmp_path / "killed" / "ckpt.pt", weights_only=True)
     r = run(["--resume", tmp_path / "killed"])
     assert r.returncode == 0, r.stderr
     _, records = read_log(tmp_path / "killed")
     resumed = {x["step"]: x["loss"] for x in records if "loss" in x}  # later lines win
+    elapsed = {x["step"]: x["elapsed_s"] for x in records if "loss" in x}
+    assert elapsed[saved["step"] + 1] > saved["elapsed_s"] > 0  # the clock goes on from the checkpoint's
     _, reference = read_log(tmp_path / "ref")
     for x in reference:
         if "loss" in x:

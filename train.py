@@ -517,6 +517,7 @@ def train(cfg, ckpt=None):
     scaler = torch.amp.GradScaler(device_type, enabled=dtype == "fp16")
 
     step = saved_step = 0
+    trained_s = 0.0  # seconds in the training loop before this process: elapsed_s goes on across resumes
     if ckpt:
         try:
             model.load_state_dict(ckpt["model"])
@@ -536,6 +537,7 @@ def train(cfg, ckpt=None):
         except (RuntimeError, ValueError, KeyError, TypeError) as e:
             raise ValueError(f"--resume: checkpoint does not match this run ({' '.join(str(e).split())[:300]})") from None
         step = saved_step = ckpt["step"]
+        trained_s = ckpt.get("elapsed_s", 0.0)  # (checkpoints before it was saved: 0)
 
     # compile the encoder's forward (fixed shapes: one graph, two for COCO-LM's crop): +28% tokens/s on an
     # H100 (README, Efficiency notes). Compiling the whole step graph-breaks at every seeded random
@@ -629,6 +631,7 @@ def train(cfg, ckpt=None):
             atomic_save(dict(model=model.state_dict(), model_config=asdict(model_config),
                              objective=objective.state_dict(), optimizer=optimizer.state_dict(),
                              scaler=scaler.state_dict(), step=step, loader=train_loader.state_dict(),
+                             elapsed_s=trained_s + time.time() - t0,
                              config=asdict(cfg), data=fingerprint), os.path.join(cfg.out_dir, "ckpt.pt"))
         except (OSError, RuntimeError, SafetensorError) as e:  # a full disk: torch.save raises RuntimeError
             remove_partial_writes(cfg.out_dir)
@@ -727,14 +730,14 @@ def train(cfg, ckpt=None):
                 tokens_since_log = 0
                 if peak:
                     record["mfu"] = record["tokens_per_s"] * flops / (peak * world)
-                record["elapsed_s"] = time.time() - t0
+                record["elapsed_s"] = trained_s + time.time() - t0
                 log(record)
                 if master:
                     terms = " | ".join(f"{k} {v:.4g}" if k == "loss_scale" else f"{k} {v:.4f}"
                                        for k, v in record.items() if k not in ("step", "lr", "tokens_per_s", "mfu",
                                                                                 "elapsed_s"))
                     mfu = f" | mfu {record['mfu']:.1%}" if peak else ""
-                    eta = record["elapsed_s"] / (step - first_step) * (cfg.max_steps - step)
+                    eta = (time.time() - t0) / (step - first_step) * (cfg.max_steps - step)
                     print(f"step {step}/{cfg.max_steps} | {terms} | lr {lr:.2e} | "
                           f"{record['tokens_per_s'] / 1e3:.1f}k tok/s{mfu} | {duration(record['elapsed_s'])} "
                           f"| eta {duration(eta)}", flush=True)
