@@ -345,7 +345,7 @@ def sample_tokens(logits, rng):
     return (upcast(logits.detach()) - torch.log(-torch.log(u))).argmax(-1)
 
 
-def generator_config(cfg, config):
+def generator_config(config, cfg):
     """The generator's BertConfig and depth for cfg.gen_shape; cfg.gen_layers > 0 overrides the depth.
     "cocolm": the main width, max(1, round(L/3)) layers (COCO-LM §4: 4 for base).
     "electra": L layers at 1/4 of the width (1/3 for base), heads = width/64, FFN = 4x width
@@ -378,7 +378,7 @@ class Generator(nn.Module):
 
     def __init__(self, config, cfg, mask_frac, random_frac, sample_dropout_off):
         super().__init__()
-        gen_config, num_layers = generator_config(cfg, config)
+        gen_config, num_layers = generator_config(config, cfg)
         width = gen_config.hidden_size
         self.mask_prob, self.mask_frac, self.random_frac = cfg.mask_prob, mask_frac, random_frac
         self.sample_dropout_off = sample_dropout_off

@@ -1031,15 +1031,15 @@ def test_generator_shapes():
     # ELECTRA's official generator widths: 1/4 (small), 1/3 (base); heads = width / 64, FFN = 4 x width
     for size, (width, heads) in dict(tiny=(32, 1), small=(128, 2), base=(256, 4)).items():
         config = BertConfig(**MODEL_PRESETS[size])
-        gen_config, num_layers = generator_config(make_cfg(gen_shape="electra"), config)
+        gen_config, num_layers = generator_config(config, make_cfg(gen_shape="electra"))
         assert (gen_config.hidden_size, gen_config.num_heads, gen_config.intermediate_size) == (width, heads, 4 * width)
         assert num_layers == config.num_layers and gen_config.vocab_size == config.vocab_size
-        gen_config, num_layers = generator_config(make_cfg(), config)  # COCO-LM's: same width, L/3 layers
+        gen_config, num_layers = generator_config(config, make_cfg())  # COCO-LM's: same width, L/3 layers
         assert gen_config == config and num_layers == max(1, round(config.num_layers / 3))
-        assert generator_config(make_cfg(gen_shape="electra", gen_layers=3), config)[1] == 3
-    assert generator_config(make_cfg(), BertConfig(**{**TINY, "num_layers": 8}))[1] == 3  # round(8 / 3), not 8 // 3
+        assert generator_config(config, make_cfg(gen_shape="electra", gen_layers=3))[1] == 3
+    assert generator_config(BertConfig(**{**TINY, "num_layers": 8}), make_cfg())[1] == 3  # round(8 / 3), not 8 // 3
     with pytest.raises(ValueError, match="gen_shape"):
-        generator_config(make_cfg(gen_shape="large"), BertConfig(**TINY))
+        generator_config(BertConfig(**TINY), make_cfg(gen_shape="large"))
 
 
 @pytest.mark.parametrize("gen_shape", ["cocolm", "electra"])

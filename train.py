@@ -289,7 +289,7 @@ def objective_flops_per_token(objective, config, cfg, seq_len):
         return 6 * (L * layer + mlm_head + p * seq_len * D) + 2 * L * layer
     if objective not in ("electra", "cocolm"):
         return None  # an objective added to losses.LOSSES: no MFU until its FLOPs are written here
-    gen_config, G = generator_config(cfg, config)
+    gen_config, G = generator_config(config, cfg)
     d, gen_ffn = gen_config.hidden_size, gen_config.intermediate_size
     gen = ((D * d if d != D else 0) + G * (4 * d * d + 2 * d * gen_ffn + 2 * seq_len * d)
            + p * (d * D + D * V))
