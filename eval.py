@@ -209,7 +209,9 @@ def collate(enc, idx, pad_id, device):
     types = (positions >= enc.segment_b[idx][:, None]) & mask  # 1 on sentence B and its [SEP]
     batch = dict(input_ids=input_ids, attention_mask=mask, token_type_ids=types.astype(np.int64),
                  labels=enc.labels[idx])
-    return {k: torch.from_numpy(v).to(device) for k, v in batch.items()}
+    pin = torch.device(device).type == "cuda"  # a pageable copy would wait for the GPU's queue to drain
+    return {k: (torch.from_numpy(v).pin_memory() if pin else torch.from_numpy(v)).to(device, non_blocking=pin)
+            for k, v in batch.items()}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -325,7 +325,7 @@ class TaCL(nn.Module):
         bf16 = x.is_cuda and torch.cuda.is_bf16_supported(including_emulation=False)
         with torch.no_grad(), torch.autocast(x.device.type, torch.bfloat16, enabled=bf16):
             teacher_hidden = self.teacher(x, attention_mask=attention_mask)
-        with torch.autocast(x.device.type, enabled=False):  # fp32: 1/tau = 100 magnifies bf16 rounding 100x
+        with torch.autocast(x.device.type, enabled=False):  # fp32 (TF32 on CUDA): 1/tau = 100 magnifies bf16 rounding
             # every masked student position against every teacher position of its row
             student = F.normalize(upcast(gather_positions(h, positions)), dim=-1).view(B, -1, h.size(-1))  # (B, K, D)
             teacher = F.normalize(upcast(teacher_hidden), dim=-1).to(student.dtype)  # (B, T, D)
