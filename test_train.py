@@ -382,10 +382,13 @@ def test_sigkill_then_resume_continues_the_same_curve(corpus, tmp_path):
 
 # ---- SIGTERM to torchrun: the ranks agree on a stop, rank 0 saves; the run resumes on another layout
 
-def test_torchrun_sigterm_saves_then_resumes_on_one_process(corpus, tmp_path):
+@pytest.mark.parametrize("ckpt_interval", [100000, 1])
+def test_torchrun_sigterm_saves_then_resumes_on_one_process(corpus, tmp_path, ckpt_interval):
     # no log step after step 0: the ranks agree on the stop at any step (torchrun kills its workers 30 s after
-    # passing a SIGTERM on, which a stop at the next log step of a slow run would miss)
-    flags = dict(max_steps=100000, warmup_steps=5, log_interval=100000, ckpt_interval=100000, eval_interval=100000)
+    # passing a SIGTERM on, which a stop at the next log step of a slow run would miss). ckpt_interval 1: the stop
+    # comes right after a save, which every rank must know of (a rank that saves again waits on the others)
+    flags = dict(max_steps=100000, warmup_steps=5, log_interval=100000, ckpt_interval=ckpt_interval,
+                 eval_interval=100000)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                              "train.py", *map(str, common(corpus, tmp_path, out="ddp", **flags))],
@@ -397,6 +400,7 @@ def test_torchrun_sigterm_saves_then_resumes_on_one_process(corpus, tmp_path):
     proc.send_signal(signal.SIGTERM)  # to the launcher, as a scheduler would; torchrun passes it on
     out, err = proc.communicate(timeout=180)
     assert proc.returncode != 0 and "SIGTERM: stopped after step" in out, err[-2000:]
+    assert "]: Traceback" not in err, err[-3000:]  # no rank failed ("[rankN]: ..."; torchrun's own one is there)
     step = int(out.split("SIGTERM: stopped after step ")[1].split(";")[0])
     ckpt = torch.load(tmp_path / "ddp" / "ckpt.pt", weights_only=True)
     sequences_per_step = 256 // 32  # common(): tokens_per_step / seq_len
