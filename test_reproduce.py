@@ -101,6 +101,18 @@ def test_toy_end_to_end(tmp_path):
     assert "train.py" not in again.stdout and "eval.py" not in again.stdout
     assert again.stdout.count("already") == 4 + 4 + 1
 
+    # the report needs only the JSON files and logs: copied off a remote machine, they give the same report
+    copy = tmp_path / "copy"
+    for path in out.rglob("*"):
+        if (path.suffix == ".json" or path.name == "log.jsonl") and "cache" not in path.parts \
+                and not path.name.startswith(("tokenizer", "special_tokens")):
+            (copy / path.relative_to(out)).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(path, copy / path.relative_to(out))
+    report = subprocess.run(cmd[:-1] + [str(copy), "--only", "report"], cwd=HERE, capture_output=True, text=True,
+                            timeout=120)
+    assert report.returncode == 0, report.stderr[-2000:]
+    assert (copy / "results.md").read_text() == text and not list(copy.rglob("*.safetensors"))
+
 
 def test_read_log_resumed_run(tmp_path):
     """A resumed run repeats the steps after its checkpoint and goes on from the checkpoint's
