@@ -127,7 +127,8 @@ def read_log(path):
 
 def wall_clock(train_records):
     """Seconds in the training loop: the last elapsed_s (ckpt.pt carries it across a resume; the
-    time between the checkpoint and a kill is not counted, those steps were done again)."""
+    time between the checkpoint and a kill is not counted, those steps were done again). A run resumed
+    from a checkpoint written before train.py saved elapsed_s counts from that resume only."""
     times = [rec["elapsed_s"] for rec in train_records if rec.get("elapsed_s") is not None]
     return times[-1] if times else 0.0
 
@@ -710,7 +711,9 @@ def parse(argv):
     args.seeds = ",".join(str(int(x)) for x in seeds)  # as eval.py writes them: "1, 02" is "1,2"
     if args.glue_dir and not os.path.isdir(args.glue_dir):
         p.error(f"--glue_dir {args.glue_dir}: not a directory")
-    if args.data and data_problem(args.data):
+    only = [o.strip() for o in args.only.split(",") if o.strip()]
+    report_only = [o for o in only if o in STAGES] == ["report"]  # its settings are reproduce.json's (check_settings)
+    if args.data and data_problem(args.data) and not report_only:
         p.error(f"--data {args.data}: {data_problem(args.data)}")
     if not args.out_dir.strip() or os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
         p.error(f"--out_dir {args.out_dir!r}: must name a directory")
@@ -729,7 +732,6 @@ def parse(argv):
     args.runs = [o for o in SCRATCH if o in objectives or (o == "mlm" and "tacl" in objectives)]
     if "tacl" in objectives:
         args.runs += list(CONTINUED)
-    only = [o.strip() for o in args.only.split(",") if o.strip()]
     bad = [o for o in only if o not in STAGES + SCRATCH + list(CONTINUED)]
     if bad:
         p.error(f"--only: unknown stage or run {bad[0]!r}")
@@ -789,6 +791,14 @@ def check_settings(args):
         args.p.error(f"{path} is unreadable or not a JSON object, so the settings of the runs in --out_dir "
                      f"{args.out_dir} are unknown: restore it, or use another --out_dir")
     if before == settings:
+        return
+    if before is not None and args.stages == ["report"]:  # the report is of the runs there, made with these
+        changed = {k: before.get(k) for k in settings if before.get(k) != settings[k]}
+        if changed:  # e.g. run files copied off a remote machine, where --data was a path that is not here
+            print(f"note: the report uses {args.out_dir}'s settings: "
+                  + ", ".join(f"{k} {v!r}" for k, v in changed.items()))
+        for k, v in changed.items():
+            setattr(args, k, v)
         return
     if before is not None:
         changed = ", ".join(f"{k} {before.get(k)!r} -> {v!r}" for k, v in settings.items() if before.get(k) != v)

@@ -198,13 +198,14 @@ def run_all(root, results, live, cancel):
                         root / "glue_out"])
     # several processes at once: on the CPU one thread each; on CUDA a few inductor compile workers each, not 16
     env = {**({"TORCHINDUCTOR_COMPILE_THREADS": "4"} if CUDA else {"OMP_NUM_THREADS": "1"}), **os.environ}
+    deadline = time.time() + 480  # both waves: inside a 10-minute device call, with pytest's start and report
     for wave in (first, second):
         if cancel.is_set():
             return
         procs = {name: subprocess.Popen([sys.executable, *map(str, args)], cwd=HERE, env=env, stderr=subprocess.STDOUT,
                                         stdout=open(root / f"{name}.out", "w")) for name, args in wave.items()}
         live[:] = procs.values()
-        stop_log, deadline = root / "mlm_stopped" / "log.jsonl", time.time() + 540
+        stop_log = root / "mlm_stopped" / "log.jsonl"
         while "mlm_stopped" in procs and procs["mlm_stopped"].poll() is None and time.time() < deadline:
             if stop_log.is_file() and stop_log.read_text().count('"loss"') >= 3:  # past the compile, steps 1-3 done
                 procs["mlm_stopped"].send_signal(signal.SIGTERM)

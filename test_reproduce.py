@@ -101,17 +101,24 @@ def test_toy_end_to_end(tmp_path):
     assert "train.py" not in again.stdout and "eval.py" not in again.stdout
     assert again.stdout.count("already") == 4 + 4 + 1
 
-    # the report needs only the JSON files and logs: copied off a remote machine, they give the same report
+    # the report needs only the JSON files and logs: copied off a remote machine (where the runs and the --data
+    # path are not), they give the same report, with the settings the runs were made with
     copy = tmp_path / "copy"
     for path in out.rglob("*"):
         if (path.suffix == ".json" or path.name == "log.jsonl") and "cache" not in path.parts \
                 and not path.name.startswith(("tokenizer", "special_tokens")):
             (copy / path.relative_to(out)).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(path, copy / path.relative_to(out))
+    out.rename(tmp_path / "moved")
+    (tmp_path / "corpus.txt").rename(tmp_path / "moved.txt")
     report = subprocess.run(cmd[:-1] + [str(copy), "--only", "report"], cwd=HERE, capture_output=True, text=True,
                             timeout=120)
     assert report.returncode == 0, report.stderr[-2000:]
-    assert (copy / "results.md").read_text() == text and not list(copy.rglob("*.safetensors"))
+    assert "the report uses" not in report.stdout and (copy / "results.md").read_text() == text
+    report = subprocess.run([sys.executable, "reproduce.py", "--out_dir", str(copy), "--only", "report"], cwd=HERE,
+                            capture_output=True, text=True, timeout=120)  # the default scale and objectives
+    assert report.returncode == 0, report.stderr[-2000:]
+    assert "the report uses" in report.stdout and (copy / "results.md").read_text() == text
 
 
 def test_read_log_resumed_run(tmp_path):
@@ -130,7 +137,7 @@ def test_read_log_resumed_run(tmp_path):
     assert header["provenance"] == {"commit": "abc"}
     assert [t["step"] for t in train] == [10, 20, 30] and train[1]["loss"] == 7.1
     assert [e["step"] for e in evals] == [0, 30]
-    assert reproduce.wall_clock(train) == 13.0  # the 10 s to the kill are not counted: 5 + 8
+    assert reproduce.wall_clock(train) == 13.0  # the 5 s from the checkpoint to the kill are not counted
     assert reproduce.mean_std([1.0, 3.0]) == (2.0, pytest.approx(math.sqrt(2)))
 
 
@@ -162,12 +169,18 @@ def test_bad_input_is_refused_before_any_work(tmp_path):
     (tmp_path / "locked" / ".reproduce.lock").mkdir(parents=True)  # not a file: no lock can be taken
     line = reproduce_error(["--out_dir", str(tmp_path / "locked"), "--only", "pretrain"], tmp_path)
     assert "cannot be written (Is a directory" in line
-    # an out_dir made with other settings is refused, whatever the stage: its outputs would pass for this one's
+    # an out_dir made with other settings is refused: its outputs would pass for this one's
     make_run(out, "mlm", 20)
     (out / "reproduce.json").write_text(json.dumps(SETTINGS))
-    line = reproduce_error(["--out_dir", str(out), "--tasks", "CoLA,STS-B", "--seed", "7", "--only", "report"],
+    line = reproduce_error(["--out_dir", str(out), "--tasks", "CoLA,STS-B", "--seed", "7", "--only", "pretrain"],
                            tmp_path)
     assert "other settings (seed 1337 -> 7)" in line  # task names are compared in eval.py's spelling
+    # ...but a report alone is of the runs there, with their settings, and says so
+    proc = subprocess.run([sys.executable, "reproduce.py", "--out_dir", str(out), "--seed", "7", "--only", "report"],
+                          cwd=HERE, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "the report uses" in proc.stdout and "seed 1337" in proc.stdout, proc.stderr
+    assert json.loads((out / "results.json").read_text())["seed"] == 1337
+    assert json.loads((out / "reproduce.json").read_text()) == SETTINGS
     # and so is one whose settings file is damaged: they are unknown, not new
     for damaged in ('{"steps":', "[1, 2]"):
         (out / "reproduce.json").write_text(damaged)
