@@ -184,9 +184,9 @@ def taco_samples(valid, window, num_negatives, rng, pool=0):
     valid (B, T) bool = non-pad. Returns flat indices into the B*T positions: positive (B, T),
     negatives (B, T, num_negatives). Positive: same row, offset uniform over
     {-W//2..W//2} minus 0; if that leaves the row or lands on padding, a uniformly random other
-    non-pad position of the row (none in a one-token row: TACO drops its anchor). Negatives: a row uniform among the other P-1 rows of the anchor's
-    pool (P = pool consecutive rows, 0 = all B rows), then a position uniform among that row's
-    non-pad positions (with replacement)."""
+    non-pad position of the row (none in a one-token row: TACO drops its anchor). Negatives: a row
+    uniform among the other P-1 rows of the anchor's pool (P = pool consecutive rows, 0 = all B rows),
+    then a position uniform among that row's non-pad positions (with replacement)."""
     # (the official sampler assumes unpadded rows: its columns are uniform over all T positions)
     B, T = valid.shape
     device = valid.device
