@@ -131,7 +131,7 @@ def test_gradient_accumulation_averages_the_micro_batches(corpus, tmp_path, monk
         loss, metrics = forward(self, batch, rng)
         params = list(self.parameters())
         micro.append(dict(zip(map(id, params), torch.autograd.grad(loss, params, retain_graph=True))))
-        terms.append({"loss": float(loss), **{k: float(v) for k, v in metrics.items()}})
+        terms.append({"loss": loss.item(), **{k: float(v) for k, v in metrics.items()}})
         return loss, metrics
 
     def recording_clip(params, max_norm):
