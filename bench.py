@@ -386,7 +386,8 @@ def main(argv=None):
             print("note: no CUDA GPU, timing on the CPU (minutes per row at batch 256; see the README's CPU commands)")
     if args.interleave and (device.type == "cuda" or args.profile):
         p.error("--interleave is for CPU timing, without --profile (it holds every run of a size at once)")
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    if device.type == "cuda":  # TF32 matmuls: process-wide state, set only where it acts
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
 
     info = dict(command="python bench.py " + " ".join(sys.argv[1:] if argv is None else argv), torch=torch.__version__,
                 transformers=transformers.__version__ if args.hf else None,

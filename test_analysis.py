@@ -352,6 +352,7 @@ def no_hub(monkeypatch):
     monkeypatch.setattr(datasets, "load_dataset", offline)
 
 
+@pytest.mark.slow
 def test_run_analysis_five_models_writes_json_and_plots(tok, tmp_path, monkeypatch, capsys):
     no_hub(monkeypatch)
     names = ["mlm", "taco", "tacl", "coco_lm_small_with_a_long_run_name", "electra"]
@@ -485,6 +486,7 @@ def test_plot_logs(tmp_path):
         A.read_log(str(tmp_path / "binary.jsonl"))
 
 
+@pytest.mark.slow
 def test_cli_plot_log_and_analysis(tok, tmp_path):
     a = write_log(tmp_path / "mlm" / "log.jsonl", 0)
     model = save_model(tiny_bert(tok.get_vocab_size()), tok, tmp_path / "mlm")

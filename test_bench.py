@@ -18,6 +18,7 @@ TINY = ["--model_size", "tiny", "--device", "cpu", "--batch_size", "2", "--seq_l
         "--warmup", "1"]
 
 
+@pytest.mark.slow
 def test_bench_runs_every_objective_on_cpu(tmp_path, capsys):
     out = tmp_path / "bench.json"
     results = bench.main(TINY + ["--taco_negatives", "4", "--loader", "--json", str(out)])

@@ -45,6 +45,16 @@ from test_train import HERE, common, read_log, write_corpus
 from train import configure_optimizer
 
 
+@pytest.fixture
+def tf32_off():
+    """fp32 matmuls in full precision for this test, restored after (set by assignment: torch's backend switches
+    are properties, which pytest's monkeypatch cannot undo)."""
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = saved
+
+
 def autocast():  # train.py's on CUDA; on the CPU bf16 too, so that the loose tolerances meet real bf16 rounding
     return torch.autocast(DEVICE, dtype=torch.bfloat16)
 
@@ -70,12 +80,11 @@ class DrawsFrom:
 
 
 @pytest.mark.parametrize("name", list(LOSSES))
-def test_objective_on_device_matches_the_cpu(name, monkeypatch):
+def test_objective_on_device_matches_the_cpu(name, monkeypatch, tf32_off):
     """Loss terms and gradients on the device (fp32 eager; bf16 autocast + compiled encoder, train.py's GPU step)
     equal float64 CPU ones on the same weights and draws. fp32 is tight (TF32 off); bf16 loose: under CPU autocast
     the terms come within 2e-3 and the gradients within 5e-3 of float64, 10x less than allowed here."""
     monkeypatch.setattr(losses, "torch", DrawsFrom())
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     drawn = []  # the generators' samples: every run must draw the reference's tokens
     monkeypatch.setattr(losses, "sample_tokens", lambda *args: drawn.append(sample_tokens(*args)) or drawn[-1])
     torch.manual_seed(0)
@@ -108,10 +117,10 @@ def test_objective_on_device_matches_the_cpu(name, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_negative_scoring_matches_the_dense_gather(dtype, monkeypatch):
+def test_fused_negative_scoring_matches_the_dense_gather(dtype, monkeypatch, tf32_off):
     """TACO's NegativeDots with fused_gather_dot (inductor-compiled, as with --compile on CUDA) and without it:
     the dense gather's scores and gradients (anchor, and the targets' of the taco_stop_grad=False ablation)."""
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # the dense reference's einsum: a matmul
+    # tf32_off: the dense reference's einsum is a matmul
     torch.manual_seed(0)
     B, T, K, D = 4, 16, 7, 32
     anchor = torch.randn(B, T, D, device=DEVICE, requires_grad=True)

@@ -305,6 +305,7 @@ UNREADABLE = {  # file name -> (bytes, words the one-line error must contain)
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", UNREADABLE)
 def test_unreadable_corpus_is_one_clear_error(tok_dir, tmp_path, name):
     content, problem = UNREADABLE[name]

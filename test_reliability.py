@@ -220,6 +220,7 @@ class InfGradAt(losses.MLM):
         return loss, metrics
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["fp16", "fp32"])
 def test_inf_gradients_are_a_skipped_step_under_fp16_and_a_stop_otherwise(corpus, cache, tmp_path, capsys,
                                                                            monkeypatch, dtype):
@@ -538,6 +539,7 @@ def test_a_whole_last_log_record_without_its_newline_is_kept(corpus, cache, tmp_
     assert (out_dir / "log.jsonl").read_text() == text  # the step-10 record stays, ended
 
 
+@pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_exits_nonzero(corpus, cache, tmp_path):
     out_dir = tmp_path / "run"
     argv = flags(corpus, cache, out_dir, max_steps=100000, warmup_steps=10, log_interval=1, ckpt_interval=100000)
@@ -660,6 +662,7 @@ class InfGradFrom(losses.MLM):
         return loss, metrics
 
 
+@pytest.mark.slow
 def test_a_collapsing_fp16_loss_scale_is_a_divergence(corpus, cache, tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(losses.LOSSES, "mlm", InfGradFrom)
     monkeypatch.setattr(InfGradFrom, "calls", 0)

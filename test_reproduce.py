@@ -52,6 +52,7 @@ def finite(x):
     return isinstance(x, (int, float)) and math.isfinite(x)
 
 
+@pytest.mark.slow
 def test_toy_end_to_end(tmp_path):
     rng = random.Random(0)
     write_corpus(tmp_path / "corpus.txt", rng)
@@ -226,6 +227,7 @@ def test_a_run_is_finished_when_its_export_holds_the_last_step(tmp_path):
     assert reproduce.run_finished(str(run), 20)  # killed while writing ckpt.pt after the last export
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux's")
 def test_a_killed_reproduce_takes_its_child_along(tmp_path):
     # SIGKILL cannot be passed on: the kernel sends train.py SIGTERM instead, and it saves its step and exits
@@ -260,6 +262,7 @@ def test_a_killed_reproduce_takes_its_child_along(tmp_path):
     assert torch.load(out / "ckpt.pt", weights_only=True)["step"] >= 3
 
 
+@pytest.mark.slow
 def test_sigterm_reaches_the_training_run_and_a_rerun_goes_on(tmp_path):
     write_corpus(tmp_path / "corpus.txt", random.Random(0))
     out = tmp_path / "repro"
@@ -320,6 +323,7 @@ def test_scale_flags_are_a_valid_run(scale, objective, tmp_path):
 DIAGNOSTIC = os.path.join(HERE, "results", "detector", "diagnostic.py")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("encoder", ["bert", "window"])
 def test_detector_diagnostic_runs(tmp_path, encoder):
     # results/detector/diagnostic.py backs the README's "Does each objective learn?": it must keep running
@@ -468,6 +472,7 @@ def called(calls, kind):
     return [c for c in calls if kind == {"train.py": "train"}.get(c[0], "analysis" if "--analysis" in c else "glue")]
 
 
+@pytest.mark.slow
 def test_glue_and_analysis_wait_for_a_run_to_finish(tmp_path):
     # a run killed at step 10 of 20: GLUE and the analysis must not score it (its export moves on when it
     # resumes), and what an earlier version scored there (GLUE at step 10, an analysis.json without the
@@ -638,6 +643,7 @@ def test_a_dry_run_merges_no_glue_part_and_a_part_absorbed_twice_counts_once(tmp
     assert reproduce.collect(args, ["mlm"])["runs"]["mlm"]["glue"]["finetune_s"] == 5.0
 
 
+@pytest.mark.slow
 def test_a_run_trained_again_makes_what_was_built_on_it_stale(tmp_path):
     # mlm deleted and pretrained again ends at the same step: its analysis and the continuations made from the
     # old one must not pass for the new one's
@@ -655,6 +661,7 @@ def test_a_run_trained_again_makes_what_was_built_on_it_stale(tmp_path):
     assert results["runs"]["mlm"]["analysis"]["contextual"] == 0.5  # the new analysis is the one reported
 
 
+@pytest.mark.slow
 def test_relative_data_globs_and_torchrun(tmp_path, monkeypatch):
     (tmp_path / "shards").mkdir()
     (tmp_path / "shards" / "a.txt").write_text("Some text.\n")
@@ -718,6 +725,7 @@ def test_the_report_leaves_out_an_analysis_of_another_export(tmp_path):
         assert reproduce.collect(args, ["mlm"])["runs"]["mlm"]["analysis"]["contextual"] == contextual, stamp
 
 
+@pytest.mark.slow
 def test_a_stop_names_the_script_that_ran_under_torchrun_too(tmp_path, capsys):
     # cmd[1] is "-m" under torchrun: the line names the .py script
     child = "import os, signal, time; time.sleep(1); os.kill(os.getppid(), signal.SIGTERM); time.sleep(30)"

@@ -91,6 +91,7 @@ def test_help_lists_fields_with_comments():
     assert "values of --preset base" in out.stdout  # the last --preset wins, as when training
 
 
+@pytest.mark.slow
 def test_help_into_a_closed_pipe_is_quiet():
     """`python train.py --help | head`: the reader is gone before the flags are printed; no traceback."""
     proc = subprocess.Popen([sys.executable, "train.py", "--help"], cwd=HERE, stdout=subprocess.PIPE,
@@ -139,10 +140,12 @@ def test_gradient_accumulation_averages_the_micro_batches(corpus, tmp_path, monk
         return clip(params, max_norm)
     monkeypatch.setattr(train.Pretrainer, "forward", recording_forward)
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", recording_clip)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", torch.backends.cuda.matmul.allow_tf32)  # main sets it
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     # 256 tokens = 2 micro-batches x 4 x 32; on the CPU: fp32, no compile
     train.main(common(corpus, tmp_path, batch_size=4, max_steps=1, warmup_steps=1, eval_batches=1, device="cpu"))
     assert len(micro) == 2 and len(accumulated) == 1
+    # a CPU run leaves torch's process-wide TF32 switches alone (a test runner cannot undo what main sets)
+    assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == tf32
     for key, grad in accumulated[0].items():
         torch.testing.assert_close(grad, (micro[0][key] + micro[1][key]) / 2, rtol=1e-5, atol=1e-8)
     logged = next(r for r in read_log(tmp_path / "run")[1] if "loss" in r)
@@ -243,7 +246,6 @@ def test_an_objective_added_to_losses_trains(corpus, tmp_path, monkeypatch):
             loss, metrics = super().forward(model, batch, rng)
             return loss / 2, metrics
     monkeypatch.setitem(losses.LOSSES, "half_mlm", Halved)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", torch.backends.cuda.matmul.allow_tf32)  # main sets it
     train.main(common(corpus, tmp_path, objective="half_mlm", max_steps=2, warmup_steps=1, log_interval=1,
                       eval_interval=2, eval_batches=1, ckpt_interval=2, device="cpu"))
     header, records = read_log(tmp_path / "run")
@@ -253,6 +255,7 @@ def test_an_objective_added_to_losses_trains(corpus, tmp_path, monkeypatch):
     assert bench.objective_flops_per_token("half_mlm", tiny, config.TrainConfig(), 64) is None
 
 
+@pytest.mark.slow
 def test_tacl_needs_init_from_then_continues_an_mlm_run(corpus, tmp_path):
     r = run(common(corpus, tmp_path, objective="tacl", out="tacl"))
     assert r.returncode != 0 and "--objective mlm" in r.stderr and len(r.stderr.strip().splitlines()) == 1
@@ -265,6 +268,7 @@ def test_tacl_needs_init_from_then_continues_an_mlm_run(corpus, tmp_path):
     assert "tacl_loss" in train_lines[0] and losses[-1] < losses[0], losses
 
 
+@pytest.mark.slow
 def test_the_same_weights_score_the_same_for_every_seed(corpus, tmp_path):
     # the step-0 evaluation of one set of weights, contextual score included, does not depend on --seed
     assert run(common(corpus, tmp_path, out="mlm", max_steps=5, ckpt_interval=5)).returncode == 0
@@ -276,6 +280,7 @@ def test_the_same_weights_score_the_same_for_every_seed(corpus, tmp_path):
     assert first[0]["step"] == 0 and "contextual_score" in first[0] and first[0] == first[1]
 
 
+@pytest.mark.slow
 def test_init_from_a_hugging_face_bert_model_with_a_pooler(corpus, tmp_path):
     """--init_from a transformers BertModel directory (a pooler, no MLM head): every encoder weight is
     loaded (strictly: only the pooler is dropped), the vocabulary comes from its vocab.txt."""
@@ -296,6 +301,7 @@ def test_init_from_a_hugging_face_bert_model_with_a_pooler(corpus, tmp_path):
 
 # ---- bad input: one clear line, non-zero exit, nothing saved lost
 
+@pytest.mark.slow
 def test_bad_input_is_one_clear_error(corpus, tmp_path):
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "corrupt.pt").write_bytes(b"not a checkpoint")
@@ -324,6 +330,7 @@ def test_bad_input_is_one_clear_error(corpus, tmp_path):
 
 # ---- distributed: two gloo processes == one process with the same global batch
 
+@pytest.mark.slow
 def test_ddp_two_processes_match_one_process(corpus, tmp_path):
     # with dropout: its masks are seeded per (step, global micro-batch), so DDP draws what one process draws
     flags = dict(max_steps=3, warmup_steps=1, log_interval=1, eval_interval=100, ckpt_interval=3, tokens_per_step=1024,
@@ -351,6 +358,7 @@ def test_ddp_two_processes_match_one_process(corpus, tmp_path):
 
 # ---- a run killed with SIGKILL resumes from its checkpoint onto the same curve
 
+@pytest.mark.slow
 def test_sigkill_then_resume_continues_the_same_curve(corpus, tmp_path):
     flags = dict(max_steps=60, log_interval=1, ckpt_interval=10, eval_interval=1000, dropout=0.1)
     ref = run(common(corpus, tmp_path, out="ref", **flags))
@@ -382,6 +390,7 @@ def test_sigkill_then_resume_continues_the_same_curve(corpus, tmp_path):
 
 # ---- SIGTERM to torchrun: the ranks agree on a stop, rank 0 saves; the run resumes on another layout
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ckpt_interval", [100000, 1])
 def test_torchrun_sigterm_saves_then_resumes_on_one_process(corpus, tmp_path, ckpt_interval):
     # no log step after step 0: the ranks agree on the stop at any step (torchrun kills its workers 30 s after

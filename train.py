@@ -421,7 +421,8 @@ def train(cfg, ckpt=None):
     master = rank == 0
     device_type = "cuda" if device.startswith("cuda") else device
     torch.manual_seed(cfg.seed)  # the initial weights (DDP broadcasts rank 0's anyway)
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    if device_type == "cuda":  # TF32 matmuls: process-wide state, so set only where it acts (a CPU run leaves it alone)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
 
     # ---- weights to start from, then the tokenizer that matches them
     init_model = None
