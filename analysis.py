@@ -40,7 +40,10 @@ import torch.nn.functional as F
 
 import data
 from config import dir_problem
-from model import Bert, still_training
+from corpus import read_text
+from glue_tasks import TASKS, load_hub, read_tsv
+from hf_io import still_training
+from model import Bert
 
 ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
 WORDSIM353 = os.path.join(ASSETS, "wordsim353", "combined.csv")
@@ -305,7 +308,7 @@ def load_sentences(documents, num_sentences, seed=0, min_words=5):
 
 def read_lines(path):
     """Lines of a UTF-8 text file, .xz-compressed or not (CRLF or LF)."""
-    return data.read_text(path).splitlines()
+    return read_text(path).splitlines()
 
 
 def held_out_documents(text_path, model_path):
@@ -390,14 +393,14 @@ def read_stsb(glue_dir=None):
         path = os.path.join(glue_dir, "STS-B", "dev.tsv")
         if not os.path.isfile(path):
             raise ValueError(f"no STS-B/dev.tsv in --glue_dir {glue_dir}")
-        ds = data.read_tsv(path, data.TASKS["stsb"])
+        ds = read_tsv(path, TASKS["stsb"])
         return list(zip(ds["text_a"], ds["text_b"], ds["label"]))
     offline = any(os.environ.get(v, "") not in ("", "0") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
     # offline mode reads the local hub cache; otherwise, without a network the hub client would
     # retry for ~25 s: one 3 s probe fails faster
     if not offline and not _hub_reachable():
         raise ValueError("huggingface.co is unreachable (offline?) and no --glue_dir was given")
-    ds = data.load_hub("stsb")["validation"]
+    ds = load_hub("stsb")["validation"]
     return list(zip(ds["sentence1"], ds["sentence2"], ds["label"]))
 
 
@@ -812,7 +815,7 @@ def read_log(path):
     and unparsable lines (a run killed mid-write) are skipped; a resumed run's repeated
     steps keep the latest value."""
     series = {}
-    for line in data.read_text(path).splitlines():  # not UTF-8: one error naming file and line
+    for line in read_text(path).splitlines():  # not UTF-8: one error naming file and line
         try:
             record = json.loads(line)
         except json.JSONDecodeError:

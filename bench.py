@@ -3,7 +3,7 @@ Time pretraining steps: tokens/s, step time, MFU and peak memory for each object
 size, after warm-up and compile, on random token blocks, next to Hugging Face's BertForMaskedLM
 at the same config in the same process (GPU numbers are only comparable within one run).
 
-    python bench.py --model_size small,base --objectives all --hf --json out/bench.json   # the README's table
+    python bench.py --model_size small,base --objectives all --hf --json out/bench.json   # docs/efficiency.md's table
     python bench.py --model_size small --objectives mlm --profile --out_dir out/profile      # where a step's time goes
     python bench.py --model_size tiny --device cpu --batch_size 8 --seq_len 128 --steps 3 --hf   # runs anywhere
     OMP_NUM_THREADS=1 python bench.py --model_size tiny --device cpu --batch_size 16 --steps 15 --interleave   # ratios
@@ -52,9 +52,11 @@ from dataclasses import replace
 import torch
 
 from losses import LOSSES, eligible_positions
-from model import Bert, BertConfig, MODEL_PRESETS, config_to_hf
+from hf_io import config_to_hf
+from model import Bert, BertConfig, MODEL_PRESETS
 from config import Parser, TrainConfig, dir_problem
-from train import Pretrainer, configure_optimizer, gpu_peak_flops, objective_flops_per_token
+from monitor import gpu_peak_flops, objective_flops_per_token
+from train import Pretrainer, configure_optimizer
 
 
 def random_blocks(batch_size, seq_len, config, device, rng=None):
@@ -383,7 +385,7 @@ def main(argv=None):
     if device.type != "cuda":
         args.compile = 0  # CPU runs stay eager, as in train.py
         if args.device == "auto":
-            print("note: no CUDA GPU, timing on the CPU (minutes per row at batch 256; see the README's CPU commands)")
+            print("note: no CUDA GPU, timing on the CPU (minutes per row at batch 256; see docs/efficiency.md's CPU commands)")
     if args.interleave and (device.type == "cuda" or args.profile):
         p.error("--interleave is for CPU timing, without --profile (it holds every run of a size at once)")
     if device.type == "cuda":  # TF32 matmuls: process-wide state, set only where it acts

@@ -19,7 +19,8 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from data import DEFAULT_DATA, HUB_CORPUS
-from model import BertConfig, MODEL_PRESETS, load_checkpoint_file
+from hf_io import load_checkpoint_file
+from model import BertConfig, MODEL_PRESETS
 
 
 @dataclass
@@ -64,6 +65,7 @@ class TrainConfig:
     cocolm_copy_weight: float = 50.0  # lambda_copy (COCO-LM §3.1)
     cocolm_scl_temperature: float = 1.0  # tau of the SCL NT-Xent (COCO-LM §4)
     cocolm_crop_fraction: float = 0.9  # share of tokens kept in SCL's cropped view (COCO-LM §3.2)
+    cocolm_mask_all: bool = False  # generator input: every selected token -> [MASK] (MC-BERT's default) instead of BERT's 80/10/10 (ours)
     electra_disc_weight: float = 50.0  # lambda on the discriminator loss (ELECTRA §2)
     # system
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
@@ -220,7 +222,7 @@ MINIMUM = dict(seq_len=(3, "room for [CLS] and [SEP]"), batch_size=(1, ""), toke
                eval_batches=(1, ""), ckpt_interval=(1, ""), weight_decay=(0, ""), grad_clip=(0, "0 = off"),
                gen_layers=(0, "0 = the gen_shape's own"), negative_pool=(0, "0 = the micro-batch"),
                vocab_size=(100, "5 special tokens and enough WordPiece pieces to spell words"),
-               taco_window=(2, "positives within +-W//2: W = 2 is the smallest with one offset"),
+               taco_window=(3, "positives within +-W//2: W = 3 is the smallest with one offset"),
                taco_negatives=(1, ""), taco_weight=(0, ""), cocolm_copy_weight=(0, ""), electra_disc_weight=(0, ""))
 POSITIVE = ("lr", "adam_eps", "taco_temperature", "tacl_temperature", "cocolm_scl_temperature")
 # ranges (low, high, low included, high included)
@@ -228,24 +230,45 @@ RANGES = dict(mask_prob=(0, 1, False, False), dropout=(0, 1, True, False), beta2
               cocolm_crop_fraction=(0, 1, False, True), val_fraction=(0, 0.5, False, True))
 
 
-def pool_problem(cfg, pool):
-    """(flag, why) when `pool` sequences cannot be TACO's or COCO-LM's negative pool, else None. validate()
-    asks it of the flags, train.micro_batching of what each process gets once the world size caps the batch."""
-    if cfg.objective not in ("taco", "cocolm"):
+def micro_batching(cfg, world):
+    """(sequences per micro-step per process, micro-steps per optimizer step). tokens_per_step fixes
+    the global batch; batch_size is a memory cap, lowered when `world` processes would exceed it."""
+    from losses import pool_problem
+    batch_size = cap = min(cfg.batch_size, max(1, cfg.tokens_per_step // (cfg.seq_len * world)))
+    if cfg.negative_pool and cfg.objective in ("taco", "cocolm"):
+        # whole pools per process, so the negatives (and the objective) are the same on any layout
+        batch_size -= batch_size % cfg.negative_pool
+        if batch_size == 0:
+            raise ValueError(f"--negative_pool {cfg.negative_pool} needs that many sequences per process and "
+                             f"micro-step; --batch_size {cfg.batch_size} with {world} process(es) allows {cap}")
+    problem = pool_problem(cfg, cfg.negative_pool or batch_size)  # what each process gets
+    if problem:
+        name, why = problem
+        raise ValueError(f"{world} process(es) leave {batch_size} sequence(s) per process and micro-step; --{name} "
+                         f"{getattr(cfg, name)}: {why}; raise --tokens_per_step or use fewer processes"
+                         + (", or lower --taco_negatives" if name == "taco_negatives" else ""))
+    micro_tokens = batch_size * cfg.seq_len * world
+    if cfg.tokens_per_step % micro_tokens:
+        raise ValueError(f"tokens_per_step {cfg.tokens_per_step} is not a multiple of batch_size {batch_size} "
+                         f"x seq_len {cfg.seq_len} x {world} processes = {micro_tokens}")
+    return batch_size, cfg.tokens_per_step // micro_tokens
+
+
+def batch_note(cfg, batch_size, world):
+    """Why the per-process batch is not --batch_size, or None."""
+    if batch_size == cfg.batch_size:
         return None
-    if pool < 2:
-        return "batch_size", ("TACO and COCO-LM's SCL draw negatives from the other sequences of their pool: they "
-                              f"need a pool (negative_pool, else batch_size) of >= 2 sequences, not {pool}")
-    candidates = (pool - 1) * cfg.seq_len  # tokens in the other rows of a pool
-    if cfg.objective == "taco" and cfg.taco_negatives > candidates:
-        return "taco_negatives", (f"must be <= {candidates:,}, the tokens of the other rows of a pool of {pool} "
-                                  "((pool - 1) x seq_len): more would only repeat them, at B x T x K memory (paper: 50)")
-    return None
+    cap = cfg.tokens_per_step // (cfg.seq_len * world)
+    why = [f"{world} process(es) x {cfg.batch_size} sequences would exceed tokens_per_step {cfg.tokens_per_step}"
+           if cfg.batch_size > cap else None,
+           f"whole pools of --negative_pool {cfg.negative_pool}" if batch_size != min(cfg.batch_size, max(1, cap)) else None]
+    return f"batch_size {cfg.batch_size} -> {batch_size} per process: {'; '.join(w for w in why if w)}"
+
 
 def validate(cfg):
     """Every flag's value checked once, before the run writes anything: a violation is a ValueError
     naming the flag, its value and what is allowed (main() prints it as one `error:` line, exit 2)."""
-    from losses import LOSSES
+    from losses import LOSSES, pool_problem
 
     def need(ok, name, allowed):
         if not ok:
@@ -265,10 +288,12 @@ def validate(cfg):
         v = getattr(cfg, name)
         need((v >= low if low_in else v > low) and (v <= high if high_in else v < high), name,
              f"must be in {'[' if low_in else '('}{low}, {high}{']' if high_in else ')'}")
+    # the official sampler.py requires an odd window; an even W would behave as W + 1 (fidelity note 30)
+    need(cfg.taco_window % 2 == 1, "taco_window", "must be odd (W = 2k + 1: positives within +-k, as TACO's sampler)")
     need(cfg.seed < 2 ** 64, "seed", "must be < 2**64 (torch seeds are unsigned 64-bit integers)")
     need(cfg.data.strip(), "data", "must name a file, a directory, a glob or a hub dataset")
     need(cfg.warmup_steps <= cfg.max_steps, "warmup_steps", f"must be <= --max_steps {cfg.max_steps}")
-    problem = pool_problem(cfg, cfg.negative_pool or cfg.batch_size)
+    problem = pool_problem(cfg, cfg.negative_pool or cfg.batch_size)  # losses.py: the pool's one rule
     if problem:
         need(False, *problem)
     need(cfg.objective != "tacl" or cfg.init_from or cfg.resume, "init_from",

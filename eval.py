@@ -44,8 +44,10 @@ import torch.nn.functional as F
 
 import analysis
 from config import Parser, dir_problem
-from data import TASKS, TaskMissing, load_task, load_tokenizer, special_token_ids
-from model import Bert, config_to_hf, still_training, write_atomic, write_hf_dir
+from data import load_tokenizer, special_token_ids
+from glue_tasks import TASKS, TaskMissing, load_task
+from hf_io import config_to_hf, still_training, write_atomic, write_hf_dir
+from model import Bert
 
 # ----------------------------------------------------------------------------------------------
 # Metrics (numpy, x100 as the papers report them)

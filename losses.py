@@ -5,7 +5,7 @@ where each hyperparameter's default and source are) and called as
 `loss, metrics = objective(model, batch, rng)`: MLM (Devlin et al., 2019), TACO (Fu et al., ACL 2022),
 TaCL (Su et al., Findings of NAACL 2022), COCO-LM (Meng et al., NeurIPS 2021) and ELECTRA (Clark et
 al., ICLR 2020). Each docstring names its equations; every deviation from an official implementation
-has a comment line here and an entry in the README's "Fidelity notes".
+has a comment line here and a numbered entry in docs/fidelity.md ("fidelity note N").
 
 - model is the Bert (or torch.compile(model): attributes pass through); an objective calls
   model(...) and model.mlm_logits(...) but never stores it, so the encoder's weights stay out
@@ -147,16 +147,35 @@ def masked_bce(logits, targets, mask):
     return masked_mean(bce, mask)
 
 
-def pool_size(negative_pool, batch_size):
+def pool_size(negative_pool, batch_size, minimum=1):
     """Rows that share one pool of negatives (TACO) or one NT-Xent batch (COCO-LM's SCL): groups of
     negative_pool consecutive rows of the per-process micro-batch; 0 = the whole micro-batch (the official
-    codes). A fixed pool makes the objective the same on 1 or 16 GPUs and with any gradient accumulation."""
-    if negative_pool == 0:
-        return batch_size
-    if negative_pool < 0 or batch_size % negative_pool:
+    codes). A fixed pool makes the objective the same on 1 or 16 GPUs and with any gradient accumulation.
+    TACO needs a `minimum` of 2 rows (its negatives come from the other rows); COCO-LM's NT-Xent runs on
+    one (its two views). This and pool_problem are the pool's one rule: config.py asks them."""
+    if negative_pool < 0 or (negative_pool and batch_size % negative_pool):
         raise ValueError(f"negative_pool {negative_pool} must divide the per-process batch size {batch_size} "
                          f"(0 = the whole micro-batch)")
-    return negative_pool
+    pool = negative_pool or batch_size
+    if pool < minimum:
+        raise ValueError(f"the pool is {pool} sequence(s): TACO draws negatives from the other sequences of its "
+                         f"pool, it needs batch size and negative_pool >= {minimum}")
+    return pool
+
+
+def pool_problem(cfg, pool):
+    """(flag, why) when `pool` sequences cannot be TACO's or COCO-LM's negative pool, else None: asked of
+    the flags before a run, and of what each process gets once the world size caps its batch."""
+    if cfg.objective not in ("taco", "cocolm"):
+        return None
+    if pool < 2:
+        return "batch_size", ("TACO and COCO-LM's SCL draw negatives from the other sequences of their pool: they "
+                              f"need a pool (negative_pool, else batch_size) of >= 2 sequences, not {pool}")
+    candidates = (pool - 1) * cfg.seq_len  # tokens in the other rows of a pool
+    if cfg.objective == "taco" and cfg.taco_negatives > candidates:
+        return "taco_negatives", (f"must be <= {candidates:,}, the tokens of the other rows of a pool of {pool} "
+                                  "((pool - 1) x seq_len): more would only repeat them, at B x T x K memory (paper: 50)")
+    return None
 
 
 # ------------------------------------------------------------------------------------------
@@ -251,10 +270,7 @@ class TACO(nn.Module):
     def forward(self, model, batch, rng):
         x, attention_mask = batch["input_ids"], batch.get("attention_mask")
         B = x.size(0)
-        pool = pool_size(self.negative_pool, B)
-        if pool < 2:
-            raise ValueError("TACO draws negatives from the other sequences of its pool: it needs batch size and "
-                             "negative_pool >= 2")
+        pool = pool_size(self.negative_pool, B, minimum=2)
         valid = non_pad(x, attention_mask)
         # MLM on the corrupted input, keeping the embedding layer's output for g: the paper's "static embedding"
         # e is that whole output (word + position + type, LayerNorm, dropout), as in the official code
@@ -309,14 +325,15 @@ class TaCL(nn.Module):
 
     def train(self, mode=True):
         super().train(mode)
-        self.teacher.eval()  # official code leaves its dropout on; its maintainer calls that a bug (issue #11)
+        self.teacher.eval()  # official code leaves its dropout on; its maintainer agreed eval() may be needed (#11; note 13)
         return self
 
     def forward(self, model, batch, rng):
         x, attention_mask = batch["input_ids"], batch.get("attention_mask")
         B = x.size(0)
         valid = non_pad(x, attention_mask)
-        # student: MLM on the masked input
+        # student: MLM on the masked input (official TaCL: a fixed count min(0.25 max_len, round(0.15 len)),
+        # len counting [CLS]/[SEP]; ours round(0.15 eligible): the same at 128 and 256 tokens (fidelity note 6)
         corrupted, positions, labels = mask_tokens(x, model.config, rng, self.mask_prob, attention_mask=attention_mask)
         h = model(corrupted, attention_mask=attention_mask)
         loss, metrics = mlm_loss(model, h, x, positions, labels, attention_mask, self.predict_all)
@@ -352,7 +369,7 @@ def generator_config(config, cfg):
     (ELECTRA §3.2 and Table 6: 1/4 small and large, 1/3 base; official get_generator_config). Not
     reproduced: ELECTRA-Small's factorised 128-wide embeddings; ours are the main width (fidelity note 19)."""
     shape = cfg.gen_shape
-    if shape == "cocolm":
+    if shape == "cocolm":  # the released configs use 4 of 12 (base), 4 of 24 (large), 2 of 12 (small) (fidelity note 31)
         gen_config, num_layers = config, max(1, round(config.num_layers / 3))
     elif shape == "electra":
         width = round(config.hidden_size * (1 / 3 if config.hidden_size == 768 else 1 / 4))
@@ -498,7 +515,7 @@ class COCOLM(nn.Module):
     """COCO-LM (Meng et al., NeurIPS 2021, §3): corrective LM + sequence contrastive learning.
 
     1. A generator (gen_shape "cocolm": same width, max(1, round(L/3)) layers, shared embeddings) does MLM on x~
-       (80/10/10 masking): L_gen. Its samples at the masked positions M, drawn from a dropout-off
+       (80/10/10 masking; 100% [MASK] with cocolm_mask_all): L_gen. Its samples at the masked positions M, drawn from a dropout-off
        forward, give x^MLM (no gradient).
     2. The main model on x^MLM -> h. Copy head p_copy(1|h_i) = sigmoid(w.h_i + b), "token is
        original": L_copy = mean BCE over non-pad positions, orig_i = 1[x^MLM_i = x_i].
@@ -509,6 +526,8 @@ class COCOLM(nn.Module):
        NT-Xent over the 2B views at tau = 1: L_SCL. With negative_pool P > 0, over the 2P views of
        each group of P consecutive rows instead (a batch size that does not depend on the GPU count).
     L = L_gen + lambda_copy * L_copy + L_LM + L_SCL. The main model's own MLM head is unused.
+    The official repository releases this forward and the heads, not the task and criterion (the masking
+    recipe, the crop, the loss reduction): those are the paper's §3 as we read it (fidelity notes 27, 28).
     """
 
     def __init__(self, model, cfg):
@@ -518,9 +537,13 @@ class COCOLM(nn.Module):
         self.scl_temperature = cfg.cocolm_scl_temperature
         self.crop_fraction = cfg.cocolm_crop_fraction
         self.negative_pool = cfg.negative_pool
-        self.generator = Generator(config, cfg, mask_frac=0.8, random_frac=0.1, sample_dropout_off=True)
+        # the generator's input masking is unreleased: BERT's 80/10/10 is our reading, 100% [MASK] the
+        # reading of MC-BERT's task and a fairseq criterion for this model (--cocolm_mask_all; fidelity note 28)
+        mask_frac, random_frac = (1.0, 0.0) if cfg.cocolm_mask_all else (0.8, 0.1)
+        self.generator = Generator(config, cfg, mask_frac, random_frac, sample_dropout_off=True)
         self.copy_head = nn.Linear(D, 1)
         self.lm_bias = nn.Parameter(torch.zeros(config.vocab_size))
+        # the released SCL head's LayerNorm uses eps 1e-5; BERT's 1e-12 here moves L_SCL by <= 3.4e-6 (fidelity note 32)
         self.scl_head = nn.Sequential(nn.Linear(D, D), nn.GELU(), nn.LayerNorm(D, eps=config.layer_norm_eps))
         self.copy_head.apply(Bert._init_weights)
         self.scl_head.apply(Bert._init_weights)
@@ -569,6 +592,8 @@ class ELECTRA(nn.Module):
         super().__init__()
         config, D = model.config, model.config.hidden_size
         self.disc_weight = cfg.electra_disc_weight
+        # TF ELECTRA draws round(0.15 x non-pad) positions with replacement, [CLS]/[SEP]/[UNK] included; ours
+        # round(0.15 x eligible) distinct non-special ones: the same count at 128 and 256, not at 512 (fidelity note 29)
         self.generator = Generator(config, cfg, mask_frac=0.85, random_frac=0.0, sample_dropout_off=False)
         self.disc_head = nn.Sequential(nn.Linear(D, D), nn.GELU(), nn.Linear(D, 1))
         self.disc_head.apply(Bert._init_weights)

@@ -5,7 +5,7 @@ positions, token types) so that Hugging Face BERT checkpoints load unchanged.
 Notable choices:
 - Attention runs through F.scaled_dot_product_attention. Packed pretraining batches have
   no padding, so they pass no mask at all and SDPA can take its flash kernel.
-- Q, K and V are one fused Linear (one GEMM instead of three); hf_weight_names() maps it
+- Q, K and V are one fused Linear (one GEMM instead of three); hf_io.hf_weight_names() maps it
   to and from Hugging Face's separate query/key/value tensors.
 - The MLM head is applied only to the positions being predicted (mlm_logits takes the
   selected hidden states): at 15% masking this skips ~85% of the head's vocab GEMM
@@ -14,38 +14,37 @@ Notable choices:
 - Embedding rows are padded to a multiple of 64 (30522 -> 30528) so the vocab GEMM
   gets tensor-core friendly shapes. Padded rows are sliced off the logits, so they are
   never predicted, never a target and never sampled.
-The gains of SDPA, the fused QKV and the padding have not been measured one by one (README,
+The gains of SDPA, the fused QKV and the padding have not been measured one by one (docs/efficiency.md,
 "Efficiency notes"); bench.py measures the whole step against Hugging Face's.
 """
-import json
 import math
-import os
-import re
 from dataclasses import dataclass, fields
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import hf_io
+
 
 @dataclass
 class BertConfig:
     vocab_size: int = 30522  # real vocabulary: the tokenizer's size
-    hidden_size: int = 768
-    num_layers: int = 12
-    num_heads: int = 12
+    hidden_size: int = 768  # model width D (BERT-base's; MODEL_PRESETS below has smaller)
+    num_layers: int = 12  # transformer layers (BERT-base: 12)
+    num_heads: int = 12  # attention heads; head size = hidden_size / num_heads, 64 in every preset
     intermediate_size: int = 3072  # FFN width, 4x hidden in every BERT size
     max_position_embeddings: int = 512  # longest sequence the model accepts
     type_vocab_size: int = 2  # segment A/B embeddings, used by GLUE sentence pairs
     dropout: float = 0.1  # hidden and attention dropout, as in BERT
     layer_norm_eps: float = 1e-12  # BERT's value; HF checkpoints expect it
     pad_vocab_to: int = 64  # embedding rows padded to a multiple of this for fast GEMMs
-    # special token ids belong to the vocabulary the model was trained with
-    pad_token_id: int = 0
-    unk_token_id: int = 1
-    cls_token_id: int = 2
-    sep_token_id: int = 3
-    mask_token_id: int = 4
+    # special token ids belong to the vocabulary the model was trained with (data.py's; bert-base-uncased's differ)
+    pad_token_id: int = 0  # [PAD]: fills short sequences; packed pretraining blocks have none
+    unk_token_id: int = 1  # [UNK]: words the vocabulary cannot spell
+    cls_token_id: int = 2  # [CLS]: GLUE classifies from its hidden state
+    sep_token_id: int = 3  # [SEP]: ends each segment
+    mask_token_id: int = 4  # [MASK]: what most MLM targets are replaced with
 
     def __post_init__(self):
         """Every field checked: a corrupt config.json or checkpoint is one clear ValueError, not a crash in a layer."""
@@ -206,312 +205,25 @@ class Bert(nn.Module):
         return self.head(h, self.embeddings.word.weight)
 
     # ----------------------------------------------------------------------------------
-    # Hugging Face import / export
+    # Hugging Face import / export: plumbing the algorithm does not need, in hf_io.py
 
     @classmethod
     def from_pretrained(cls, path):
         """Load a Hugging Face BERT directory (BertForMaskedLM or BertModel weights, in
         model.safetensors or pytorch_model.bin), a run directory of this project (same
         format), or a training checkpoint file ckpt.pt of this project."""
-        if os.path.isfile(path):
-            return _load_project_checkpoint(path)
-        if not os.path.isdir(path):
-            raise ValueError(f"{path}: no such checkpoint file or directory")
-        cfg_path = os.path.join(path, "config.json")
-        if not os.path.isfile(cfg_path):
-            if os.path.isfile(os.path.join(path, "ckpt.pt")):
-                return _load_project_checkpoint(os.path.join(path, "ckpt.pt"))
-            raise ValueError(f"{path}: not a checkpoint (no config.json or ckpt.pt)")
-        try:
-            with open(cfg_path) as f:
-                hf = json.load(f)
-            ids = ("unk_token_id", "cls_token_id", "sep_token_id", "mask_token_id")
-            config = config_from_hf(hf, vocab=None if all(k in hf for k in ids) else _read_vocab(path))
-        except KeyError as e:
-            raise ValueError(f"{cfg_path}: not a valid BERT config (no {e} key)") from None
-        except ValueError as e:  # not JSON, not UTF-8, or a value BertConfig refuses
-            raise ValueError(f"{cfg_path}: not a valid BERT config ({_last_line(e)})") from None
-        state = _read_weights(path)
-        model = cls(config)
-        model.fresh_head = not model.load_hf_state_dict(state, source=path)
-        model.training_step = hf.get("training_step")  # an export of this project says which step it holds
-        return model
+        return hf_io.from_pretrained(cls, path)
 
     def load_hf_state_dict(self, state, source="checkpoint"):
-        # old Google checkpoints name LayerNorm parameters gamma/beta
-        state = {k.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias"): v
-                 for k, v in state.items()}
-        if not any(k.startswith("bert.") for k in state):  # BertModel: no "bert." prefix, no head
-            state = {"bert." + k: v for k, v in state.items()}
-        own = self.state_dict()
-        names = hf_weight_names(self.config)
-        has_head = "cls.predictions.transform.dense.weight" in state
-        used = {t for ours, theirs in names.items() if has_head or not ours.startswith("head.") for t in theirs}
-        tied = {"cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
-                "cls.predictions.decoder.bias": "cls.predictions.bias"}
-        for key in sorted(set(state) - used):
-            if key in tied:
-                if tied[key] in state and not torch.equal(state[key], state[tied[key]]):  # this model ties them
-                    raise ValueError(f"{source}: {key} differs from {tied[key]}: an untied MLM decoder, which this "
-                                     f"BERT cannot hold (its decoder is the word embeddings)")
-            elif not (key.startswith(("bert.pooler.", "cls.seq_relationship.", "classifier.", "qa_outputs."))
-                      or key.endswith(("position_ids", "token_type_ids"))):  # NSP and task heads are not used
-                raise ValueError(f"{source}: unexpected weight {key} (not a BERT of this config's shape?)")
-        for ours, theirs in names.items():
-            if ours.startswith("head.") and not has_head:
-                continue  # a BertModel checkpoint: the MLM head keeps its fresh init
-            missing = [t for t in theirs if t not in state]
-            if missing:
-                raise ValueError(f"{source}: missing weight {missing[0]} (not a BERT checkpoint of this shape?)")
-            tensor = torch.cat([state[t] for t in theirs]) if len(theirs) > 1 else state[theirs[0]]
-            target = own[ours]
-            if not tensor.is_floating_point():  # copy_ would cast integers silently
-                raise ValueError(f"{source}: {theirs[0]} holds {tensor.dtype}, not floating-point weights")
-            vocab_rows = ours in ("embeddings.word.weight", "head.bias")  # stored unpadded: vocab_size rows
-            expected = (self.config.vocab_size,) + target.shape[1:] if vocab_rows else target.shape
-            if tensor.shape != expected:
-                raise ValueError(f"{source}: {theirs[0]} has shape {tuple(tensor.shape)}, expected {tuple(expected)}")
-            target[len(tensor):] = 0  # the padded vocab rows (an empty slice elsewhere)
-            target[:len(tensor)].copy_(tensor)
-        if "bert.pooler.dense.weight" in state:
-            self.pooler = nn.Linear(self.config.hidden_size, self.config.hidden_size)
-            for name, target in self.pooler.named_parameters():
-                tensor = state.get(f"bert.pooler.dense.{name}")
-                if tensor is None or tensor.shape != target.shape or not tensor.is_floating_point():
-                    found = "missing" if tensor is None else f"{tuple(tensor.shape)} {tensor.dtype}"
-                    raise ValueError(f"{source}: bert.pooler.dense.{name} is {found}, expected {tuple(target.shape)}")
-                target.data.copy_(tensor)
-        return has_head
+        """Copy weights under Hugging Face's names into this model; True if they hold an MLM head."""
+        return hf_io.load_hf_state_dict(self, state, source)
 
     def hf_state_dict(self):
         """Weights under Hugging Face BertForMaskedLM names, vocab padding removed."""
-        own, V = self.state_dict(), self.config.vocab_size
-        out = {}
-        for ours, theirs in hf_weight_names(self.config).items():
-            tensor = own[ours]
-            if ours in ("embeddings.word.weight", "head.bias"):
-                tensor = tensor[:V]
-            out.update(zip(theirs, tensor.chunk(len(theirs))))  # the fused qkv splits back into query, key, value
-        if self.pooler is not None:
-            out["bert.pooler.dense.weight"], out["bert.pooler.dense.bias"] = self.pooler.weight, self.pooler.bias
-        return {k: v.detach().cpu().contiguous() for k, v in out.items()}
+        return hf_io.hf_state_dict(self)
 
     def save_pretrained(self, out_dir, tokenizer_dir=None, mlm_head=True, step=None):
-        """Write a directory that transformers.AutoModelForMaskedLM.from_pretrained loads,
-        with the tokenizer files copied from tokenizer_dir. Each file is written atomically.
-        mlm_head=False writes the encoder alone under BertModel's names (for objectives that
-        never train this head: COCO-LM, ELECTRA). step: the training step, recorded in both
-        the weights' metadata and config.json ("training_step"), so a reader can tell that
-        the two files (and train.py's ckpt.pt) belong together."""
-        state, hf_config = self.hf_state_dict(), config_to_hf(self.config)
-        metadata = {"format": "pt"}
-        if step is not None:
-            hf_config["training_step"], metadata["training_step"] = step, str(step)
-        if not mlm_head:
-            state = {k[len("bert."):]: v for k, v in state.items() if k.startswith("bert.")}
-            hf_config["architectures"] = ["BertModel"]
-        write_hf_dir(out_dir, state, hf_config, metadata, tokenizer_dir)
+        """Write a directory that transformers.AutoModelForMaskedLM.from_pretrained loads, each file
+        atomically; mlm_head=False writes the encoder alone, step goes into both weights and config.json."""
+        hf_io.save_pretrained(self, out_dir, tokenizer_dir, mlm_head, step)
 
-
-def hf_weight_names(config):
-    """Our parameter name -> its Hugging Face BertForMaskedLM names (three for the fused qkv, else one)."""
-    names = {
-        "embeddings.word.weight": ["bert.embeddings.word_embeddings.weight"],
-        "embeddings.position.weight": ["bert.embeddings.position_embeddings.weight"],
-        "embeddings.token_type.weight": ["bert.embeddings.token_type_embeddings.weight"],
-        "embeddings.ln.weight": ["bert.embeddings.LayerNorm.weight"],
-        "embeddings.ln.bias": ["bert.embeddings.LayerNorm.bias"],
-        "head.dense.weight": ["cls.predictions.transform.dense.weight"],
-        "head.dense.bias": ["cls.predictions.transform.dense.bias"],
-        "head.ln.weight": ["cls.predictions.transform.LayerNorm.weight"],
-        "head.ln.bias": ["cls.predictions.transform.LayerNorm.bias"],
-        "head.bias": ["cls.predictions.bias"],
-    }
-    for i in range(config.num_layers):
-        ours, hf = f"encoder.layers.{i}.", f"bert.encoder.layer.{i}."
-        for p in ("weight", "bias"):
-            names[ours + f"attn.qkv.{p}"] = [hf + f"attention.self.{n}.{p}" for n in ("query", "key", "value")]
-            names[ours + f"attn.proj.{p}"] = [hf + f"attention.output.dense.{p}"]
-            names[ours + f"ln1.{p}"] = [hf + f"attention.output.LayerNorm.{p}"]
-            names[ours + f"up.{p}"] = [hf + f"intermediate.dense.{p}"]
-            names[ours + f"down.{p}"] = [hf + f"output.dense.{p}"]
-            names[ours + f"ln2.{p}"] = [hf + f"output.LayerNorm.{p}"]
-    return names
-
-
-def config_to_hf(config):
-    return {
-        "architectures": ["BertForMaskedLM"], "model_type": "bert", "hidden_act": "gelu",
-        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
-        "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
-        "intermediate_size": config.intermediate_size,
-        "max_position_embeddings": config.max_position_embeddings, "type_vocab_size": config.type_vocab_size,
-        "hidden_dropout_prob": config.dropout, "attention_probs_dropout_prob": config.dropout,
-        "layer_norm_eps": config.layer_norm_eps, "initializer_range": 0.02,
-        "pad_token_id": config.pad_token_id, "position_embedding_type": "absolute",
-        # extra keys, ignored by transformers, so this project knows its special tokens
-        "unk_token_id": config.unk_token_id, "cls_token_id": config.cls_token_id,
-        "sep_token_id": config.sep_token_id, "mask_token_id": config.mask_token_id,
-    }
-
-
-def config_from_hf(hf, vocab=None):
-    """BertConfig of a Hugging Face config.json; the special token ids from its own keys (this project's
-    exports), else from vocab (token -> id, the directory's tokenizer), else bert-base-uncased's at 30,522."""
-    if not isinstance(hf, dict):
-        raise ValueError(f"expected a JSON object, got {type(hf).__name__}")
-    if hf.get("hidden_act", "gelu") != "gelu" or hf.get("position_embedding_type", "absolute") != "absolute":
-        raise ValueError(f"unsupported BERT variant (hidden_act={hf.get('hidden_act')}, "
-                         f"position_embedding_type={hf.get('position_embedding_type')})")
-    if hf.get("is_decoder") or hf.get("add_cross_attention"):  # a causal mask / cross-attention: not this model
-        raise ValueError("unsupported BERT variant (is_decoder or add_cross_attention)")
-    values = dict(
-        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
-        num_heads=hf["num_attention_heads"], intermediate_size=hf["intermediate_size"],
-        max_position_embeddings=hf["max_position_embeddings"], type_vocab_size=hf.get("type_vocab_size", 2),
-        dropout=hf.get("hidden_dropout_prob", 0.1), layer_norm_eps=hf.get("layer_norm_eps", 1e-12),
-        pad_token_id=hf.get("pad_token_id") or 0)
-    specials = dict(unk_token_id="[UNK]", cls_token_id="[CLS]", sep_token_id="[SEP]", mask_token_id="[MASK]")
-    for key, token in specials.items():
-        if key in hf:
-            values[key] = hf[key]
-        elif vocab is not None and token in vocab:
-            values[key] = vocab[token]
-        elif values["vocab_size"] == 30522:  # bert-base-uncased's layout
-            values[key] = {"[UNK]": 100, "[CLS]": 101, "[SEP]": 102, "[MASK]": 103}[token]
-    return BertConfig(**values)  # checks every value
-
-
-def _read_vocab(path):
-    """token -> id of the tokenizer saved beside the weights (vocab.txt, else tokenizer.json), or None."""
-    try:
-        if os.path.isfile(os.path.join(path, "vocab.txt")):
-            with open(os.path.join(path, "vocab.txt"), encoding="utf-8") as f:
-                return {line.rstrip("\n"): i for i, line in enumerate(f)}
-        if os.path.isfile(os.path.join(path, "tokenizer.json")):  # transformers 5 saves no vocab.txt
-            with open(os.path.join(path, "tokenizer.json"), encoding="utf-8") as f:
-                vocab = json.load(f).get("model", {}).get("vocab")
-            return vocab if isinstance(vocab, dict) else None
-    except (UnicodeDecodeError, ValueError, AttributeError):
-        raise ValueError(f"{path}: its vocab.txt / tokenizer.json is not a readable vocabulary") from None
-    return None
-
-
-def _read_weights(path):
-    """The state dict of model.safetensors or pytorch_model.bin, or of the shards their .index.json lists."""
-    from safetensors.torch import load_file
-    for name, load in (("model.safetensors", load_file), ("pytorch_model.bin", _load_tensors)):
-        file, index = os.path.join(path, name), os.path.join(path, name + ".index.json")
-        try:
-            if os.path.isfile(file):
-                return load(file)
-            if os.path.isfile(index):  # a sharded checkpoint (save_pretrained's max_shard_size)
-                try:
-                    with open(index, encoding="utf-8") as f:
-                        shards = sorted(set(json.load(f)["weight_map"].values()))
-                except (ValueError, KeyError, TypeError, AttributeError) as e:
-                    raise ValueError(f"{index}: not a shard index ({type(e).__name__}: {_last_line(e)})") from None
-                return {k: v for shard in shards for k, v in load(os.path.join(path, shard)).items()}
-        except ValueError:
-            raise
-        except Exception as e:
-            fix = (f"; python train.py --resume {path} rewrites it from ckpt.pt" if name == "model.safetensors" and
-                   os.path.isfile(os.path.join(path, "ckpt.pt")) else "")  # a run of this project
-            raise ValueError(f"{path}: corrupt weights file ({type(e).__name__}: {_last_line(e)}){fix}") from None
-    raise ValueError(f"{path}: no model.safetensors or pytorch_model.bin (or their .index.json)")
-
-
-def _load_tensors(path):
-    """torch.load with the weights-only unpickler: a file holding any other Python object is refused, never
-    unpickled, so no code in it runs (safe from torch 2.6 on: CVE-2025-32434). Every failure is a ValueError."""
-    if tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2]) < (2, 6):
-        raise ValueError(f"{path}: torch {torch.__version__} cannot load a pickled file safely; use torch >= 2.6")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        unsafe = re.search(r"GLOBAL ([\w.]+)", str(e))  # torch's weights-only unpickler refused a global
-        if unsafe:
-            hint = (" (checkpoints of train.py before safe loading pickled numpy's RNG state: retrain, or load it "
-                    "once with torch.load(weights_only=False) if you trust it and re-save it without 'rng')"
-                    if unsafe.group(1).startswith("numpy") else "")
-            raise ValueError(f"{path}: refused: it holds a Python object ({unsafe.group(1)}) that only an unsafe "
-                             f"load would run; weights and checkpoints hold tensors and plain values{hint}") from None
-        raise ValueError(f"{path}: corrupt or unreadable file ({type(e).__name__}: {_last_line(e)})") from None
-
-
-def load_checkpoint_file(path):
-    """Read a training checkpoint with torch's safe loader (tensors, numbers, strings, lists, dicts):
-    a file that holds any other Python object is refused, never unpickled, so no code in it runs.
-    Every failure is one clear ValueError."""
-    ckpt = _load_tensors(path)
-    if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
-        raise ValueError(f"{path}: not a checkpoint of this project (no model / model_config)")
-    return ckpt
-
-
-def _last_line(e):
-    lines = [line for line in str(e).splitlines() if line.strip() and "documentation" not in line]
-    line = lines[-1] if lines else ""
-    return line if len(line) <= 200 else line[:line.rfind(". ", 0, 200) + 1 or 200]  # whole sentences
-
-
-def _load_project_checkpoint(path):
-    ckpt = load_checkpoint_file(path)
-    names = {f.name for f in fields(BertConfig)}
-    try:
-        config = BertConfig(**{k: v for k, v in ckpt["model_config"].items() if k in names})
-    except (AttributeError, ValueError) as e:  # model_config not a dict, or a value BertConfig refuses
-        raise ValueError(f"{path}: not a valid model config ({_last_line(e)})") from None
-    model = Bert(config)
-    if "pooler.weight" in ckpt["model"]:
-        model.pooler = nn.Linear(model.config.hidden_size, model.config.hidden_size)
-    try:
-        model.load_state_dict(ckpt["model"])
-    except RuntimeError as e:
-        raise ValueError(f"{path}: weights do not match the model config ({' '.join(str(e).split())[:300]})") from None
-    run = ckpt.get("config")
-    model.fresh_head = isinstance(run, dict) and run.get("objective") in ("electra", "cocolm")  # head never trained
-    model.training_step = ckpt.get("step")
-    return model
-
-
-def still_training(path):
-    """True while a train.py holds the .lock of the run directory `path` is in (or is): its export and
-    ckpt.pt move on at each checkpoint, so a score made now is of one step of an unfinished run."""
-    lock = os.path.join(path if os.path.isdir(path) else os.path.dirname(path) or ".", ".lock")
-    if os.name == "nt" or not os.path.isfile(lock):
-        return False
-    import fcntl
-    with open(lock) as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError:
-            return True
-    return False  # closing the file released the shared lock
-
-
-def write_hf_dir(out_dir, state, hf_config, metadata, tokenizer_dir=None):
-    """A Hugging Face model directory: model.safetensors, config.json and the tokenizer files copied
-    from tokenizer_dir, each written atomically (Bert.save_pretrained, eval.py's fine-tuned models)."""
-    from safetensors.torch import save_file
-    os.makedirs(out_dir, exist_ok=True)
-    weights = os.path.join(out_dir, "model.safetensors")
-    save_file(state, weights + ".tmp", metadata=metadata)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(weights + ".tmp", 0o666 & ~umask)  # safetensors writes 0600; the other files get the umask's mode
-    os.replace(weights + ".tmp", weights)
-    write_atomic(os.path.join(out_dir, "config.json"), json.dumps(hf_config, indent=2))
-    if tokenizer_dir and os.path.abspath(tokenizer_dir) != os.path.abspath(out_dir):
-        for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-            src = os.path.join(tokenizer_dir, name)
-            if os.path.isfile(src):
-                with open(src, encoding="utf-8") as f:
-                    write_atomic(os.path.join(out_dir, name), f.read())
-
-
-def write_atomic(path, text):
-    """Text via a temporary file and os.replace: a kill never leaves a partial file (train.py and eval.py use it)."""
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)

@@ -55,10 +55,10 @@ SCALES = {
         # one thread: a tiny model gains nothing from more, and on a busy CPU torch's thread pool made a
         # 20-step toy run take 25 s of CPU instead of 3.5 (measured)
         env={"OMP_NUM_THREADS": "1"}),
-    # A 2-core CPU, about 2 hours (114 minutes measured, README): the smoke model (2 x 128) for 5,000 steps
+    # A 2-core CPU, about 2 hours (114 minutes measured, docs/reproduction.md): the smoke model (2 x 128) for 5,000 steps
     # of 2,048 tokens (10M) on real text (pass --data, e.g. a Wikipedia shard: the bundled sample is 0.3M
     # tokens), TaCL and its control for 1,000 more, GLUE as mini. Every objective end to end on real data;
-    # at this size the detectors do not beat their trivial baseline (README) and GLUE differences are mostly
+    # at this size the detectors do not beat their trivial baseline (docs/detectors.md) and GLUE differences are mostly
     # noise.
     "cpu": dict(
         train=["--preset", "smoke", "--log_interval", "100", "--eval_interval", "500", "--eval_batches", "8",
@@ -88,7 +88,7 @@ SCALES = {
 PRIMARY = {"cola": "mcc", "sst2": "acc", "mrpc": "f1", "stsb": "spearman", "rte": "acc", "qnli": "acc",
            "qqp": "f1", "mnli": "acc_m", "wnli": "acc"}
 METRIC_NAMES = {"mcc": "MCC", "acc": "accuracy", "f1": "F1", "spearman": "Spearman", "acc_m": "matched accuracy"}
-# each task's folder of TSVs in --glue_dir (data.py's Task.dir; test_reproduce.py checks they agree)
+# each task's folder of TSVs in --glue_dir (glue_tasks.py's Task.dir; test_reproduce.py checks they agree)
 GLUE_DIRS = {"cola": "CoLA", "sst2": "SST-2", "mrpc": "MRPC", "stsb": "STS-B", "rte": "RTE", "qnli": "QNLI",
              "qqp": "QQP", "mnli": "MNLI", "wnli": "WNLI"}
 # the held-out metric that shows each objective learning on its own terms, and what it beats
@@ -197,7 +197,7 @@ def glue_todo(run_dir, tasks, seeds):
 
 
 def glue_absent(glue_dir, task):
-    """The TSVs of `task` that eval.py would not find in glue_dir (data.load_task's paths), empty ones too."""
+    """The TSVs of `task` that eval.py would not find in glue_dir (glue_tasks.load_task's paths), empty ones too."""
     stems = ["train"] + (["dev_matched", "dev_mismatched"] if task == "mnli" else ["dev"])
     paths = [os.path.join(GLUE_DIRS[task], stem + ".tsv") for stem in stems]
     return [p for p in paths if not os.path.isfile(os.path.join(glue_dir, p)) or
@@ -205,7 +205,7 @@ def glue_absent(glue_dir, task):
 
 
 def data_problem(data):
-    """Why train.py would refuse a local --data, said before reproduce.json is saved (data.py's rule; not
+    """Why train.py would refuse a local --data, said before reproduce.json is saved (corpus.py's rule; not
     imported: it loads torch). A name that looks like no path ("wikitext:wikitext-103-raw-v1") is the hub's."""
     path = os.path.expanduser(data)
     if os.path.exists(path):
@@ -744,14 +744,14 @@ def parse(argv):
 
 
 def nproc_problem(args):
-    """Why train.py would refuse the scale's batch split over --nproc_per_node processes (its micro_batching:
+    """Why train.py would refuse the scale's batch split over --nproc_per_node processes (config.micro_batching:
     whole micro-batches per process, whole negative pools), asked of train.py's own code before any
     pretraining; None when every run of this call fits."""
-    check = ("import json, sys, config, train\n"
+    check = ("import json, sys, config\n"
              "for objective in sys.argv[3:]:\n"
              "    cfg = config.parse_args(['--objective', objective, *json.loads(sys.argv[1])])[0]\n"
              "    try:\n"
-             "        train.micro_batching(cfg, int(sys.argv[2]))\n"
+             "        config.micro_batching(cfg, int(sys.argv[2]))\n"
              "    except ValueError as e:\n"
              "        sys.exit(f'{objective}: {e}')\n")
     objectives = sorted({CONTINUED.get(r, r) for r in args.selected})

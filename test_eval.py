@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-import data
 import datasets
 import eval as ev
+import glue_tasks
 from model import Bert, BertConfig
 
 GLUE_DIR = Path(__file__).resolve().parent.parent / "shared/data/glue"
@@ -98,7 +98,7 @@ REAL = {  # task: (train rows, dev rows, {label id: train count})
 @pytest.mark.skipif(not GLUE_DIR.is_dir(), reason="shared/data/glue not present")
 @pytest.mark.parametrize("name", REAL)
 def test_real_glue_tsvs(name):
-    splits = data.load_task(data.TASKS[name], str(GLUE_DIR))
+    splits = glue_tasks.load_task(glue_tasks.TASKS[name], str(GLUE_DIR))
     n_train, n_dev, counts = REAL[name]
     assert len(splits["train"]) == n_train and len(splits["dev"][""]) == n_dev
     labels = np.asarray(splits["train"]["label"])
@@ -106,18 +106,18 @@ def test_real_glue_tsvs(name):
         assert {int(k): int(v) for k, v in zip(*np.unique(labels, return_counts=True))} == counts
     else:
         assert labels.dtype.kind == "f" and 0 <= labels.min() and labels.max() <= 5
-    assert ("text_b" in splits["train"].column_names) == (len(data.TASKS[name].tsv_text) == 2)
+    assert ("text_b" in splits["train"].column_names) == (len(glue_tasks.TASKS[name].tsv_text) == 2)
     assert all(isinstance(t, str) and t for t in splits["dev"][""]["text_a"][:50])
 
 
 @pytest.mark.skipif(not GLUE_DIR.is_dir(), reason="shared/data/glue not present")
 def test_real_glue_quirks():
-    mrpc = data.load_task(data.TASKS["mrpc"], str(GLUE_DIR))["dev"][""]
+    mrpc = glue_tasks.load_task(glue_tasks.TASKS["mrpc"], str(GLUE_DIR))["dev"][""]
     assert mrpc[0]["text_b"].startswith('" The foodservice')  # a bare quote survives (quoting off)
-    with pytest.raises(data.TaskMissing, match="train.tsv"):  # QNLI has a dev set only here
-        data.load_task(data.TASKS["qnli"], str(GLUE_DIR))
-    with pytest.raises(data.TaskMissing):
-        data.load_task(data.TASKS["mnli"], str(GLUE_DIR))
+    with pytest.raises(glue_tasks.TaskMissing, match="train.tsv"):  # QNLI has a dev set only here
+        glue_tasks.load_task(glue_tasks.TASKS["qnli"], str(GLUE_DIR))
+    with pytest.raises(glue_tasks.TaskMissing):
+        glue_tasks.load_task(glue_tasks.TASKS["mnli"], str(GLUE_DIR))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -258,7 +258,7 @@ def test_end_to_end(tmp_path, tiny_model_dir, capsys):
     assert saved["seeds"] == [1, 2] and saved["recipe"] == "paper" and saved["model_size"] == "small"
     assert saved["training_step"] == 5  # which export of the run was scored
     tasks = saved["tasks"]
-    assert set(tasks) == set(data.TASKS)
+    assert set(tasks) == set(glue_tasks.TASKS)
     assert {n for n, t in tasks.items() if t["status"] == "ok"} == {"cola", "mrpc", "stsb"}
     assert set(saved["missing"]) == {"sst2", "qqp", "mnli", "qnli", "rte", "wnli"}
     run = tasks["mrpc"]["runs"]["seed 1"]
@@ -358,7 +358,7 @@ TABLE8 = {  # task: (batch sizes, epochs, warm-ups), typed from the paper
 
 @pytest.mark.parametrize("name", TABLE7)
 def test_recipes_match_the_paper(name):
-    task = data.TASKS[name]
+    task = glue_tasks.TASKS[name]
     table6 = dict(max_len=128, dropout=0.1, weight_decay=0.0, precision="fp32")
     (small,) = ev.recipe_runs(task, "paper", "small")
     assert small == dict(table6, **dict(zip(("lr", "batch_size", "epochs", "warmup"), TABLE7[name])))
@@ -378,7 +378,7 @@ def test_recipes_match_the_paper(name):
 
 
 def test_base_draws_differ_between_tasks_and_cover_the_grid():
-    draws = {name: ev.recipe_runs(data.TASKS[name], "paper", "base") for name in ("cola", "stsb", "mrpc")}
+    draws = {name: ev.recipe_runs(glue_tasks.TASKS[name], "paper", "base") for name in ("cola", "stsb", "mrpc")}
     assert draws["cola"] != draws["stsb"] != draws["mrpc"]  # same grid, a draw of its own per task
     grid = ev.BASE_GRID["cola"]
     assert len(ev.sample_grid(grid, 100, seed=[0])) == 4 * 3 * 2  # at most the whole grid, no repeats
@@ -438,11 +438,11 @@ def test_random_batches():
 
 
 def test_write_submission_labels_and_clipping(tmp_path):
-    ev.write_submission(str(tmp_path / "RTE.tsv"), data.TASKS["rte"], ["0", "1", "2"], np.array([1, 0, 1]))
+    ev.write_submission(str(tmp_path / "RTE.tsv"), glue_tasks.TASKS["rte"], ["0", "1", "2"], np.array([1, 0, 1]))
     assert read_submission(tmp_path / "RTE.tsv") == [["0", "not_entailment"], ["1", "entailment"], ["2", "not_entailment"]]
-    ev.write_submission(str(tmp_path / "MNLI-m.tsv"), data.TASKS["mnli"], [5, 6, 7], np.array([2, 1, 0]))
+    ev.write_submission(str(tmp_path / "MNLI-m.tsv"), glue_tasks.TASKS["mnli"], [5, 6, 7], np.array([2, 1, 0]))
     assert [v for _, v in read_submission(tmp_path / "MNLI-m.tsv")] == ["contradiction", "neutral", "entailment"]
-    ev.write_submission(str(tmp_path / "STS-B.tsv"), data.TASKS["stsb"], [0, 1, 2], np.array([-0.4, 2.25, 5.7]))
+    ev.write_submission(str(tmp_path / "STS-B.tsv"), glue_tasks.TASKS["stsb"], [0, 1, 2], np.array([-0.4, 2.25, 5.7]))
     assert [v for _, v in read_submission(tmp_path / "STS-B.tsv")] == ["0.000", "2.250", "5.000"]
     assert not list(tmp_path.glob("*.tmp"))
 
@@ -463,7 +463,7 @@ def test_save_model_loads_in_transformers(tmp_path, tiny_model_dir):
     from transformers import BertForSequenceClassification
     torch.manual_seed(0)
     model = ev.GlueModel(Bert.from_pretrained(str(tiny_model_dir)), 3, dropout=0.1).eval()
-    ev.save_classifier(model, data.TASKS["mnli"], str(tmp_path / "MNLI"), str(tiny_model_dir))
+    ev.save_classifier(model, glue_tasks.TASKS["mnli"], str(tmp_path / "MNLI"), str(tiny_model_dir))
     hf = BertForSequenceClassification.from_pretrained(str(tmp_path / "MNLI")).eval()
     assert hf.config.id2label == {0: "entailment", 1: "neutral", 2: "contradiction"}
     x = torch.randint(5, 40, (3, 9))
@@ -570,16 +570,16 @@ def test_error_malformed_rows(tmp_path, tiny_model_dir, capsys):
     lines[3] = "yes" + lines[3][1:]
     path.write_text("\n".join(lines))
     with pytest.raises(ValueError, match=r"dev.tsv:4: bad label 'yes'"):
-        data.read_tsv(str(path), data.TASKS["mrpc"])
+        glue_tasks.read_tsv(str(path), glue_tasks.TASKS["mrpc"])
     path = glue / "STS-B" / "train.tsv"
     lines = path.read_text().split("\n")
     for bad in ("nan", "inf", "7.5", "-40"):  # a similarity score in [0, 5]
         path.write_text("\n".join(lines[:2] + [lines[2].rsplit("\t", 1)[0] + "\t" + bad] + lines[3:]))
         with pytest.raises(ValueError, match=f"train.tsv:3: bad label '{bad}'"):
-            data.read_tsv(str(path), data.TASKS["stsb"])
+            glue_tasks.read_tsv(str(path), glue_tasks.TASKS["stsb"])
     path.write_bytes("\n".join(lines[:5]).encode() + "\n0\tcaf\xe9".encode("latin-1"))
     with pytest.raises(ValueError, match=r"train.tsv:6: not UTF-8 text"):
-        data.read_tsv(str(path), data.TASKS["stsb"])
+        glue_tasks.read_tsv(str(path), glue_tasks.TASKS["stsb"])
 
 
 def test_every_tsv_is_checked_before_any_fine_tuning(tmp_path, tiny_model_dir, capsys):
@@ -640,10 +640,10 @@ TEST_ROWS = {"CoLA": 1063, "SST-2": 1821, "MRPC": 1725, "STS-B": 1379, "QNLI": 5
 @pytest.mark.skipif(not GLUE_DIR.is_dir(), reason="shared/data/glue not present")
 @pytest.mark.parametrize("stem", TEST_ROWS)
 def test_real_glue_test_sets(stem):
-    name, rel, _, _ = data.SUBMISSIONS[stem]
-    ds = data.read_tsv(str(GLUE_DIR / rel), data.TASKS[name], test=True)
+    name, rel, _, _ = glue_tasks.SUBMISSIONS[stem]
+    ds = glue_tasks.read_tsv(str(GLUE_DIR / rel), glue_tasks.TASKS[name], test=True)
     assert len(ds) == TEST_ROWS[stem] and ds["index"][:3] == ["0", "1", "2"]
-    assert ("text_b" in ds.column_names) == (len(data.TASKS[name].tsv_text) == 2)
+    assert ("text_b" in ds.column_names) == (len(glue_tasks.TASKS[name].tsv_text) == 2)
     assert all(isinstance(t, str) and t for t in ds["text_a"][:50])
 
 
@@ -656,7 +656,7 @@ def test_base_protocol_end_to_end(tmp_path, tiny_model_dir):
     cola = saved["tasks"]["cola"]
     assert list(cola["runs"]) == ["combo 1 seed 1", "combo 2 seed 1001"] and saved["runs_per_task"] == 2
     drawn = [{k: run["hparams"][k] for k in ("lr", "batch_size", "warmup")} for run in cola["runs"].values()]
-    expected = ev.recipe_runs(data.TASKS["cola"], "paper", "base", num_combos=2)
+    expected = ev.recipe_runs(glue_tasks.TASKS["cola"], "paper", "base", num_combos=2)
     assert drawn == [{k: e[k] for k in ("lr", "batch_size", "warmup")} for e in expected]
     assert cola["grid"]["batch_size"] == [16, 32, 64] and cola["num_combos"] == 2
     assert cola["mean"]["mcc"] == pytest.approx(np.mean([r["scores"]["mcc"] for r in cola["runs"].values()]))
@@ -758,4 +758,4 @@ def test_a_test_set_index_must_be_unique_and_present(tmp_path):
     for bad, needle in ((lines[1].split("\t")[0], "a repeated index"), ("", "an empty index")):
         path.write_text("\n".join(lines[:2] + [bad + "\t" + lines[2].split("\t", 1)[1]] + lines[3:]))
         with pytest.raises(ValueError, match=f"test.tsv:3: {needle}"):
-            data.read_tsv(str(path), data.TASKS["cola"], test=True)
+            glue_tasks.read_tsv(str(path), glue_tasks.TASKS["cola"], test=True)

@@ -1101,14 +1101,22 @@ def test_generator_forwards_and_sampling_logits(monkeypatch, name):
     assert torch.equal(x_mlm.gather(1, positions)[used], from_training if name == "electra" else from_dropout_off)
 
 
-@pytest.mark.parametrize("name,fracs", [("cocolm", (0.8, 0.1)), ("electra", (0.85, 0.0))])
-def test_generator_masking_split(monkeypatch, name, fracs):
-    # [MASK] / random / unchanged: COCO-LM's BERT 80/10/10, ELECTRA's 85/0/15 (official mask_prob split)
-    seen, real = [], losses.mask_tokens
+@pytest.mark.parametrize("name,fracs,flags", [("cocolm", (0.8, 0.1), {}), ("electra", (0.85, 0.0), {}),
+                                              ("cocolm", (1.0, 0.0), {"cocolm_mask_all": True})])
+def test_generator_masking_split(monkeypatch, name, fracs, flags):
+    # [MASK] / random / unchanged: COCO-LM's BERT 80/10/10 (ours), or 100% [MASK] with --cocolm_mask_all (MC-BERT's
+    # reading), ELECTRA's 85/0/15 (official mask_prob split)
+    seen, inputs, real = [], [], losses.mask_tokens
     monkeypatch.setattr(losses, "mask_tokens", lambda *args: seen.append(args[3:6]) or real(*args))
+    logits = losses.Generator.logits
+    monkeypatch.setattr(losses.Generator, "logits", lambda self, model, ids, *args: inputs.append(ids) or
+                        logits(self, model, ids, *args))
     model = tiny_model()
-    build(name, model, mask_prob=0.3)(model, make_batch(), seeded())
+    build(name, model, mask_prob=0.3, **flags)(model, make_batch(B=8, T=32), seeded())
     assert seen == [(0.3, *fracs)]  # and --mask_prob reaches the generator
+    x, generator_input = make_batch(B=8, T=32)["input_ids"], inputs[0]
+    changed = generator_input != x
+    assert changed.sum() > 0 and (generator_input[changed] == MASK).all() == (fracs[1] == 0.0)  # no random tokens
 
 
 @pytest.mark.parametrize("gen_shape", ["cocolm", "electra"])
@@ -1235,7 +1243,7 @@ def test_detector_auc_is_held_out_only_and_scores_replaced_as_positive(monkeypat
 
 @pytest.mark.parametrize("name", sorted(LOSSES))
 def test_a_training_forward_has_no_host_sync(name):
-    """The README's "no host-device sync inside the step": traced whole by torch._dynamo, each objective's
+    """docs/efficiency.md's "no host-device sync inside the step": traced whole by torch._dynamo, each objective's
     training forward breaks only at its seeded torch.Generator draws, never at a .item(), a shape that
     depends on the data or a Python branch on a tensor (each of those would wait for the GPU)."""
     import linecache

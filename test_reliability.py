@@ -18,8 +18,10 @@ import pytest
 import torch
 
 import data
+import hf_io
 import losses
 import model
+import rundir
 import train
 from test_train import write_corpus, read_log
 
@@ -69,6 +71,7 @@ BAD_VALUES = [
     ("log_interval", "0"), ("eval_interval", "0"), ("ckpt_interval", "0"), ("eval_batches", "0"),
     ("batch_size", "0"), ("seq_len", "0"), ("seq_len", "2"), ("tokens_per_step", "0"),
     ("mask_prob", "1.5"), ("mask_prob", "-0.1"), ("mask_prob", "0"), ("taco_window", "0"), ("taco_window", "1"),
+    ("taco_window", "4"),
     ("cocolm_crop_fraction", "2"), ("cocolm_crop_fraction", "0"), ("dtype", "fp8"), ("device", "tpu"),
     ("device", "cuda:x"), ("max_steps", "-5"), ("max_steps", "0"), ("lr", "0"), ("lr", "nan"), ("lr", "inf"),
     ("warmup_steps", "50"), ("warmup_steps", "-1"), ("weight_decay", "-0.1"), ("grad_clip", "-1"),
@@ -188,9 +191,9 @@ def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(corpus, cache, tmp
     line = one_error(err, "non-finite loss", message, "mlm_loss", "lower learning rate")
     if after >= 10:
         assert f"--resume {out_dir} --lr 0.001" in line
-        ckpt = model.load_checkpoint_file(str(out_dir / "ckpt.pt"))
+        ckpt = hf_io.load_checkpoint_file(str(out_dir / "ckpt.pt"))
         assert ckpt["step"] == 10 and all(torch.isfinite(v).all() for v in ckpt["model"].values())
-        assert train.export_step(str(out_dir)) == 10
+        assert rundir.export_step(str(out_dir)) == 10
         assert all(torch.isfinite(v).all() for v in model.Bert.from_pretrained(str(out_dir)).state_dict().values())
     else:
         assert "nothing was saved" in line and not (out_dir / "ckpt.pt").exists()
@@ -229,7 +232,7 @@ def test_inf_gradients_are_a_skipped_step_under_fp16_and_a_stop_otherwise(corpus
     code, out, err = run_main(flags(corpus, cache, tmp_path / "run", max_steps=10, dtype=dtype), capsys)
     if dtype == "fp16":  # the GradScaler skips steps 3 and 4 and lowers its scale: normal, the run goes on
         assert code == 0, err
-        ckpt = model.load_checkpoint_file(str(tmp_path / "run" / "ckpt.pt"))
+        ckpt = hf_io.load_checkpoint_file(str(tmp_path / "run" / "ckpt.pt"))
         assert ckpt["step"] == 10 and ckpt["scaler"]["scale"] < 2.0 ** 16
         logged = [json.loads(line) for line in open(tmp_path / "run" / "log.jsonl") if '"loss"' in line]
         assert logged[-1]["loss_scale"] == ckpt["scaler"]["scale"]  # the log says what the scaler did
@@ -330,23 +333,23 @@ def test_kill_between_export_and_checkpoint_leaves_a_loadable_run(corpus, cache,
             Path(path + ".tmp").write_bytes(b"half a checkpoint")
             raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 1024 vs 998")
         real_save(obj, path)
-    real_save = train.atomic_save
-    monkeypatch.setattr(train, "atomic_save", dies_on_second_save)
+    real_save = rundir.atomic_save
+    monkeypatch.setattr(rundir, "atomic_save", dies_on_second_save)
     code, _, err = run_main(flags(corpus, cache, out_dir, max_steps=30), capsys)
     monkeypatch.undo()
     assert code == 1  # one line, not torch.save's traceback; its partial file is removed
     one_error(err, "cannot save step 20", "unexpected pos", "ckpt.pt keeps step 10")
     assert not [p for p in out_dir.iterdir() if ".tmp" in p.name]
-    assert model.load_checkpoint_file(str(out_dir / "ckpt.pt"))["step"] == 10
-    assert train.export_step(str(out_dir)) == 20  # the export is a step ahead, and says so
+    assert hf_io.load_checkpoint_file(str(out_dir / "ckpt.pt"))["step"] == 10
+    assert rundir.export_step(str(out_dir)) == 20  # the export is a step ahead, and says so
     model.Bert.from_pretrained(str(out_dir))  # both load
     assert not (out_dir / ".lock").exists()
 
     # killed between the export's two files: weights of step 20, config.json of step 10
-    real_write = model.write_atomic
-    monkeypatch.setattr(model, "write_atomic", lambda path, text: (_ for _ in ()).throw(RuntimeError("killed"))
+    real_write = hf_io.write_atomic
+    monkeypatch.setattr(hf_io, "write_atomic", lambda path, text: (_ for _ in ()).throw(RuntimeError("killed"))
                         if path.endswith("config.json") else real_write(path, text))
-    ckpt = model.load_checkpoint_file(str(out_dir / "ckpt.pt"))
+    ckpt = hf_io.load_checkpoint_file(str(out_dir / "ckpt.pt"))
     m = model.Bert(model.BertConfig(**ckpt["model_config"]))
     m.load_state_dict(ckpt["model"])
     (out_dir / "config.json").write_text(json.dumps({**json.loads((out_dir / "config.json").read_text()),
@@ -354,13 +357,13 @@ def test_kill_between_export_and_checkpoint_leaves_a_loadable_run(corpus, cache,
     with pytest.raises(RuntimeError):
         m.save_pretrained(str(out_dir), step=20)
     monkeypatch.undo()
-    assert train.export_step(str(out_dir)) is None  # the two files disagree: --resume must repair
+    assert rundir.export_step(str(out_dir)) is None  # the two files disagree: --resume must repair
     model.Bert.from_pretrained(str(out_dir))
 
     # --resume trusts ckpt.pt and rewrites the export from it before going on
     code, out, err = run_main(["--resume", out_dir, "--max_steps", 10], capsys)
     assert code == 0, err
-    assert "rewrote the Hugging Face export" in out and train.export_step(str(out_dir)) == 10
+    assert "rewrote the Hugging Face export" in out and rundir.export_step(str(out_dir)) == 10
     exported, trained = model.Bert.from_pretrained(str(out_dir)).hf_state_dict(), m.hf_state_dict()
     assert exported.keys() == trained.keys() and all(torch.equal(exported[k], v) for k, v in trained.items())
 
@@ -409,7 +412,7 @@ def test_partial_writes_of_a_killed_save_are_removed_on_resume(corpus, cache, tm
     assert code == 0, err
     assert not (run_dir / "ckpt.pt.tmp").exists() and not (run_dir / "tokenizer.json.tmp4242").exists()
     assert all((run_dir / name).read_text() == "mine" for name in ("notes.txt", "draft.tmp", "notes.tmp2"))
-    assert model.load_checkpoint_file(str(run_dir / "ckpt.pt"))["step"] == 6
+    assert hf_io.load_checkpoint_file(str(run_dir / "ckpt.pt"))["step"] == 6
 
 
 def test_resume_refuses_data_that_changed_and_finds_relative_paths_from_elsewhere(corpus, cache, tmp_path, capsys,
@@ -426,12 +429,12 @@ def test_resume_refuses_data_that_changed_and_finds_relative_paths_from_elsewher
     assert code == 0, err
     code, _, err = run_main(["--resume", run_dir, "--max_steps", 10, "--data", own], capsys)  # the same, named absolutely
     assert code == 0, err
-    step = model.load_checkpoint_file(str(run_dir / "ckpt.pt"))["step"]
+    step = hf_io.load_checkpoint_file(str(run_dir / "ckpt.pt"))["step"]
     own.write_text(own.read_text()[: len(own.read_text()) // 2])  # the corpus edited in place
     code, _, err = run_main(["--resume", run_dir, "--max_steps", 12], capsys)
     assert code == 2
     one_error(err, "is not the data this run was trained on")
-    assert model.load_checkpoint_file(str(run_dir / "ckpt.pt"))["step"] == step  # nothing saved was touched
+    assert hf_io.load_checkpoint_file(str(run_dir / "ckpt.pt"))["step"] == step  # nothing saved was touched
 
 
 def test_init_from_flags_that_cannot_work_are_refused(corpus, cache, tmp_path, capsys):
@@ -510,7 +513,7 @@ def test_resume_with_another_batch_size_continues_at_the_same_sequence(corpus, c
     assert code == 0, err
     assert "grad_accum 2" in out and "the learning-rate schedule moved (max_steps 6 -> 12)" in out
     assert len(seen["whole"]) == 12 * 8 and seen["split"] == seen["whole"]
-    assert model.load_checkpoint_file(str(tmp_path / "split" / "ckpt.pt"))["loader"] == {"sequences": 96}
+    assert hf_io.load_checkpoint_file(str(tmp_path / "split" / "ckpt.pt"))["loader"] == {"sequences": 96}
     # the data order and split may not change on resume
     for name, value in (("seed", 1), ("val_fraction", 0.1)):
         code, _, err = run_main(["--resume", tmp_path / "split", f"--{name}", value], capsys)
@@ -535,7 +538,7 @@ def test_a_whole_last_log_record_without_its_newline_is_kept(corpus, cache, tmp_
     assert run_main(flags(corpus, cache, out_dir, max_steps=10), capsys)[0] == 0
     text = (out_dir / "log.jsonl").read_text()
     (out_dir / "log.jsonl").write_text(text[:-1])  # the newline never written
-    train.repair_log(str(out_dir / "log.jsonl"))
+    rundir.repair_log(str(out_dir / "log.jsonl"))
     assert (out_dir / "log.jsonl").read_text() == text  # the step-10 record stays, ended
 
 
@@ -556,8 +559,8 @@ def test_sigterm_saves_a_checkpoint_and_exits_nonzero(corpus, cache, tmp_path):
     assert proc.returncode in (128 + signal.SIGTERM, -signal.SIGTERM), err
     assert "Traceback" not in err and "SIGTERM: stopped after step" in out
     step = int(out.split("SIGTERM: stopped after step ")[1].split(";")[0])
-    assert step > 0 and model.load_checkpoint_file(str(out_dir / "ckpt.pt"))["step"] == step
-    assert train.export_step(str(out_dir)) == step and not (out_dir / ".lock").exists()
+    assert step > 0 and hf_io.load_checkpoint_file(str(out_dir / "ckpt.pt"))["step"] == step
+    assert rundir.export_step(str(out_dir)) == step and not (out_dir / ".lock").exists()
 
 
 # ---- 5. errors from data.py are one line too
@@ -595,7 +598,7 @@ def test_provenance_records_commit_and_diff(corpus, cache, tmp_path, capsys, mon
     monkeypatch.setenv("GIT_DIR", str(repo / ".git"))
     monkeypatch.setenv("GIT_WORK_TREE", str(repo))
     (tmp_path / "out").mkdir()
-    prov = train.provenance(str(tmp_path / "out"))
+    prov = rundir.provenance(str(tmp_path / "out"))
     head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     diff = (tmp_path / "out" / "code.diff").read_text()
     assert prov["git_commit"] == head and prov["dirty"] and "+weight = 0.5" in diff
@@ -607,12 +610,12 @@ def test_provenance_records_commit_and_diff(corpus, cache, tmp_path, capsys, mon
     # an ablation in a new, untracked module is part of the code that ran
     git("checkout", "-q", "losses.py")
     (repo / "my_loss.py").write_text("def loss(): return 0\n")
-    prov = train.provenance(str(tmp_path / "out"))
+    prov = rundir.provenance(str(tmp_path / "out"))
     diff = (tmp_path / "out" / "code.diff").read_text()
     assert prov["dirty"] and "untracked file my_loss.py:\n+def loss(): return 0" in diff
     # outside a git checkout: no commit, no failure
     monkeypatch.setenv("GIT_DIR", str(tmp_path / "nowhere"))
-    prov = train.provenance(str(tmp_path / "out2"))
+    prov = rundir.provenance(str(tmp_path / "out2"))
     assert prov["git_commit"] is None and prov["dirty"] is False and prov["diff_sha1"] is None
 
 

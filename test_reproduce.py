@@ -326,7 +326,7 @@ DIAGNOSTIC = os.path.join(HERE, "results", "detector", "diagnostic.py")
 @pytest.mark.slow
 @pytest.mark.parametrize("encoder", ["bert", "window"])
 def test_detector_diagnostic_runs(tmp_path, encoder):
-    # results/detector/diagnostic.py backs the README's "Does each objective learn?": it must keep running
+    # results/detector/diagnostic.py backs docs/detectors.md ("Does each objective learn?"): it must keep running
     proc = subprocess.run([sys.executable, DIAGNOSTIC, "--encoder", encoder,
                            "--steps", "2", "--batch_size", "4", "--seq_len", "32"],
                           capture_output=True, text=True, cwd=tmp_path, timeout=300)
@@ -603,11 +603,11 @@ def test_a_glue_dir_without_the_tasks_is_refused_before_pretraining(tmp_path):
     (tmp_path / "glue").mkdir()
     line = reproduce_error(["--out_dir", str(tmp_path / "repro"), "--glue_dir", str(tmp_path / "glue")], tmp_path)
     assert "holds none of the tasks cola,stsb (no CoLA/train.tsv)" in line and not (tmp_path / "repro").exists()
-    import data
-    assert reproduce.GLUE_DIRS == {name: task.dir for name, task in data.TASKS.items()}
+    import glue_tasks
+    assert reproduce.GLUE_DIRS == {name: task.dir for name, task in glue_tasks.TASKS.items()}
     assert all(reproduce.glue_absent(str(tmp_path), t) == [os.path.join(task.dir, stem + ".tsv") for stem in
                                                            ["train"] + [s for s, _ in task.dev.values()]]
-               for t, task in data.TASKS.items())
+               for t, task in glue_tasks.TASKS.items())
 
 
 def test_a_dry_run_writes_nothing_and_ctrl_c_is_one_line(tmp_path, monkeypatch, capsys):
@@ -750,7 +750,7 @@ def test_results_md_names_each_tasks_metric():
 
 def test_data_check_follows_data_py(tmp_path, monkeypatch):
     # reproduce.py checks --data without importing data.py (torch): the same verdict on each kind of input
-    import data
+    import corpus
     monkeypatch.chdir(tmp_path)
     (tmp_path / "a.txt").write_text("some text\n")
     (tmp_path / "sub").mkdir()
@@ -758,8 +758,17 @@ def test_data_check_follows_data_py(tmp_path, monkeypatch):
     for value in ("a.txt", "sub/empty.txt", "*.txt", "sub/*.txt", "*.nope", "./missing.txt", "sub/missing.txt.xz",
                   "missing.raw", str(tmp_path / "missing"), "wikitext:wikitext-103-raw-v1", "user/corpus"):
         try:
-            data._resolve_files(value)
+            corpus.resolve_files(value)
             refused = False
         except ValueError:
             refused = True
         assert (reproduce.data_problem(value) is not None) == refused, value
+
+
+def test_nproc_per_node_is_checked_with_train_pys_own_batch_rule():
+    # mini: 256 sequences per step, whole pools of 64 for TACO: 3 processes do not divide it, 2 and 4 do
+    from types import SimpleNamespace
+    args = lambda n: SimpleNamespace(scale="mini", nproc_per_node=n, selected=["mlm", "taco", "tacl"])
+    assert reproduce.nproc_problem(args(2)) is None and reproduce.nproc_problem(args(4)) is None
+    problem = reproduce.nproc_problem(args(3))
+    assert problem and problem.startswith(("mlm:", "taco:", "tacl:")) and "Traceback" not in problem, problem

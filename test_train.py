@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import config
+import rundir
 import train
 
 HERE = Path(__file__).resolve().parent
@@ -103,21 +104,21 @@ def test_help_into_a_closed_pipe_is_quiet():
 
 def test_micro_batching_keeps_the_global_batch():
     tacl = config.TrainConfig(**config.PRESETS["tacl"])  # 64 x 256 tokens per process, 65,536 per step
-    assert train.micro_batching(tacl, 1) == (64, 4)
-    assert train.micro_batching(tacl, 8) == (32, 1)  # 8 GPUs: the cap drops to 32 sequences each
-    assert train.micro_batching(tacl, 16) == (16, 1)
+    assert config.micro_batching(tacl, 1) == (64, 4)
+    assert config.micro_batching(tacl, 8) == (32, 1)  # 8 GPUs: the cap drops to 32 sequences each
+    assert config.micro_batching(tacl, 16) == (16, 1)
     with pytest.raises(ValueError, match="not a multiple"):
-        train.micro_batching(tacl, 3)  # 65,536 tokens do not split over 3 processes
+        config.micro_batching(tacl, 3)  # 65,536 tokens do not split over 3 processes
     base = config.TrainConfig(**config.PRESETS["base"], objective="taco")  # 1,280 x 256 per step, pools of 80
-    assert train.micro_batching(base, 1) == (80, 16) and train.micro_batching(base, 16) == (80, 1)
+    assert config.micro_batching(base, 1) == (80, 16) and config.micro_batching(base, 16) == (80, 1)
     with pytest.raises(ValueError, match="negative_pool 80.* with 32 process.* allows 40$"):
-        train.micro_batching(base, 32)  # 40 sequences per process: no whole pool of 80
+        config.micro_batching(base, 32)  # 40 sequences per process: no whole pool of 80
     # the smoke flags on 16 processes leave 1 sequence each: COCO-LM's NT-Xent would have no negative (loss 0)
     smoke = config.TrainConfig(objective="cocolm")
     with pytest.raises(ValueError, match="16 process.*1 sequence.*pool.* of >= 2 sequences, not 1"):
-        train.micro_batching(smoke, 16)
+        config.micro_batching(smoke, 16)
     with pytest.raises(ValueError, match="--taco_negatives 50: must be <= 32,.*lower --taco_negatives"):  # 2 sequences of 32: 32 candidates for 50
-        train.micro_batching(config.TrainConfig(objective="taco", seq_len=32, tokens_per_step=128), 2)
+        config.micro_batching(config.TrainConfig(objective="taco", seq_len=32, tokens_per_step=128), 2)
 
 
 def test_gradient_accumulation_averages_the_micro_batches(corpus, tmp_path, monkeypatch):
@@ -164,7 +165,7 @@ def test_small_and_base_presets_are_taco_table_5():
         assert (cfg.model_size, cfg.max_steps, cfg.warmup_steps) == (size, steps, warmup)
         assert cfg.tokens_per_step == 1280 * 256  # batch 1,280 sequences of 256 tokens
         # one GPU: 80 sequences x 16 accumulation micro-steps = 1,280; 16 GPUs (the paper's 80 per GPU): none
-        assert train.micro_batching(cfg, 1) == (80, 16) and train.micro_batching(cfg, 16) == (80, 1)
+        assert config.micro_batching(cfg, 1) == (80, 16) and config.micro_batching(cfg, 16) == (80, 1)
         assert set(config.PRESET_SOURCES[preset]) >= set(table5) | {"tokens_per_step", "max_steps", "warmup_steps"}
     small = config.MODEL_PRESETS["small"]
     assert (small["num_layers"], small["hidden_size"], small["num_heads"]) == (4, 512, 8)
@@ -416,7 +417,7 @@ def test_torchrun_sigterm_saves_then_resumes_on_one_process(corpus, tmp_path, ck
     sequences_per_step = 256 // 32  # common(): tokens_per_step / seq_len
     assert step > 0, step
     assert ckpt["step"] == step and ckpt["loader"] == {"sequences": step * sequences_per_step}
-    assert train.export_step(str(tmp_path / "ddp")) == step and not (tmp_path / "ddp" / ".lock").exists()
+    assert rundir.export_step(str(tmp_path / "ddp")) == step and not (tmp_path / "ddp" / ".lock").exists()
 
     r = run(["--resume", tmp_path / "ddp", "--max_steps", step + 4])  # one process now
     assert r.returncode == 0, r.stderr

@@ -1,4 +1,4 @@
-"""Can a replaced-token detector learn from context at the smoke scale? (README: "Does each objective learn")
+"""Can a replaced-token detector learn from context at the smoke scale? (docs/detectors.md: "Does each objective learn")
 
 A detector trained alone, with no generator: 15% of the tokens of each block are replaced by tokens
 drawn from the batch itself, so a replacement is as frequent as the token it replaces (token identity

@@ -1,0 +1,217 @@
+"""
+Reading a pretraining corpus: the files or hub dataset behind --data, as text pieces with the document
+boundaries marked. The algorithm does not need this module: data.prepare_data calls load_corpus and
+pieces only when its token cache (token_cache.py) misses, and any list of strings would do.
+
+What it reads: a `datasets` hub name ("wikitext:wikitext-103-raw-v1" = load_dataset("wikitext",
+"wikitext-103-raw-v1")) or a local file / directory / glob of .txt .raw .jsonl .parquet, optionally
+.xz/.gz compressed (datasets 5 decompresses them on the fly). A document starts at each file, each
+jsonl/parquet row, each WikiExtractor `<doc ...>` line (the <doc>/</doc> lines themselves are dropped)
+and each WikiText top-level heading ` = Title = `. Blank lines are dropped.
+
+What it guarantees:
+- a bad path (missing, an empty file, a glob or directory matching nothing) is one ValueError naming it,
+  raised by resolve_files before anything is loaded or cached;
+- a file that is not UTF-8 text, holds NUL bytes, is a broken .jsonl or a fake .gz/.xz is one ValueError
+  naming that file, also when it is one of many in a directory;
+- a file name that looks like a pattern (b[1].txt) is read as that file, never as the files it matches;
+- an unreachable hub (offline) is one line naming the way out (--data FILE), not a page of retries.
+
+Tests that hold it to this: test_corpus.py (each format and marker, bad paths, unreadable files, brackets
+in paths, the offline hub, read_text of a broken .xz) and test_data.py's test_sample_corpus (WikiText headings).
+"""
+import glob
+import hashlib
+import logging
+import lzma
+import os
+import re
+from contextlib import contextmanager
+from pathlib import Path
+
+# data.DEFAULT_DATA: the WikiText-2 raw test split, 1.3 MB of real Wikipedia text (0.37 MB as .xz), enough
+# for smoke runs and tests without a network
+SAMPLE_CORPUS = str(Path(__file__).resolve().parent / "assets" / "wikitext2_test.raw.xz")
+BUILDERS = {".txt": "text", ".raw": "text", ".jsonl": "json", ".parquet": "parquet"}  # no .json: dirs hold configs
+COMPRESSIONS = (".xz", ".gz", ".bz2", ".zst")
+WIKITEXT_HEADING = re.compile(r"^ = [^=].* = $")  # top-level only: " == Section == " stays in the doc
+BATCH_ROWS = 2000  # rows per encode_batch call: large enough to keep every core busy
+
+
+def first_line(e):
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+
+
+@contextmanager
+def quiet_hub():
+    """Silence huggingface_hub below ERROR: offline, its retry warnings (one per attempt) would bury our
+    one-line error."""
+    hub_log = logging.getLogger("huggingface_hub")
+    level = hub_log.level
+    hub_log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        hub_log.setLevel(level)
+
+
+def _builder(path):
+    """datasets builder for a file name ("text"/"json"/"parquet"), None if unknown."""
+    name = path.name.lower()
+    for ext in COMPRESSIONS:
+        name = name.removesuffix(ext)
+    return BUILDERS.get(Path(name).suffix)
+
+def resolve_files(data):
+    """Local files for `data` in sorted order, or None when `data` is a hub dataset name."""
+    path = Path(data).expanduser()
+    if not path.exists() and any(c in data for c in "*?["):  # a path that exists is a path, "[" or not
+        files = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
+        if not files:
+            raise ValueError(f"no files match {data}")
+    elif path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and _builder(p))
+        if not files:
+            raise ValueError(f"no .txt/.raw/.jsonl/.parquet files (optionally .xz/.gz) in {data}")
+    elif path.is_file():
+        files = [path]
+    elif data.startswith(("/", ".", "~")) or _builder(path):
+        raise ValueError(f"data path not found: {data}")
+    else:
+        return None  # "name" or "name:config" on the hub
+    for f in files:
+        if f.stat().st_size == 0:
+            raise ValueError(f"empty data file: {f}")
+    return files
+
+def read_text(path):
+    """A UTF-8 text file (.xz too; a BOM dropped) as one str; bytes that are not UTF-8 are one
+    ValueError naming the file and line (eval.py's GLUE TSVs, analysis.py's --text)."""
+    try:
+        with (lzma.open if str(path).endswith(".xz") else open)(path, "rb") as f:
+            raw = f.read()
+    except (EOFError, lzma.LZMAError) as e:  # truncated, or not xz at all
+        raise ValueError(f"{path}: not a readable .xz file ({first_line(e)})") from None
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 text ({e.reason} at byte "
+                         f"{e.start}): a binary file, or convert it with iconv -t UTF-8") from None
+
+def _read_problem(e):
+    """The innermost cause of a datasets error, in words (DatasetGenerationError says only "An error occurred")."""
+    while e.__cause__ is not None:  # explicit causes only: a context may be a fallback parser's error
+        e = e.__cause__
+    if isinstance(e, UnicodeDecodeError):
+        return f"not UTF-8 text ({e.reason} at byte {e.start}): a binary file, or convert it with iconv -t UTF-8"
+    return first_line(e)
+
+def _plain_path(f, hf_cache):
+    """f for load_dataset, whose data_files are patterns (a[1] is not a1) and, compressed, URLs (where [1] is
+    an IPv6 host): a name with brackets is read through a symlink named by its path's hash."""
+    if not re.search(r"[][]", Path(f).name):
+        return glob.escape(f)
+    link = Path(hf_cache) / "links" / (hashlib.sha1(os.path.abspath(f).encode()).hexdigest()[:16]
+                                       + "".join(Path(f).suffixes[-2:]))
+    if not link.is_symlink():
+        link.parent.mkdir(parents=True, exist_ok=True)
+        os.symlink(os.path.abspath(f), f"{link}.{os.getpid()}.tmp")
+        os.replace(f"{link}.{os.getpid()}.tmp", link)  # atomic: a concurrent run makes the same link
+    return glob.escape(str(link))
+
+
+def _load_local(datasets, builder, split_files, hf_cache):
+    """load_dataset for local files; a file it cannot read is one ValueError naming that file."""
+    escaped = {name: _plain_path(f, hf_cache) for name, f in split_files.items()}
+    try:
+        return datasets.load_dataset(builder, data_files=escaped, cache_dir=hf_cache)
+    except Exception as e:
+        culprit, problem = ", ".join(split_files.values()), _read_problem(e)
+        if len(split_files) > 1:  # find the file to blame, one at a time (error path only)
+            for name, f in split_files.items():
+                try:
+                    datasets.load_dataset(builder, data_files={name: escaped[name]}, cache_dir=hf_cache)
+                except Exception as e_file:
+                    culprit, problem = f, _read_problem(e_file)
+                    break
+        raise ValueError(f"cannot read {culprit} as {builder}: {problem}") from None
+
+def load_corpus(data, files, cache_dir):
+    """[(kind, Dataset with a "text" column, name)] in corpus order; kind "lines" or "docs" (row = document).
+    files: resolve_files(data)."""
+    import datasets  # imported here: it costs ~2 s and is only needed on a cache miss
+    datasets.disable_progress_bars()  # our own bar is enough
+    hf_cache = str(Path(cache_dir) / "hf")
+    if files is None:
+        name, _, config = data.partition(":")
+        try:
+            with quiet_hub():
+                ds = datasets.load_dataset(name, config or None, split="train", cache_dir=hf_cache)
+        except Exception as e:  # offline, or no such dataset: one line, with the way out
+            raise ValueError(f"--data {data!r} is neither a local path nor a loadable hub dataset "
+                             f"({first_line(e)}); without internet pass --data FILE|DIR|GLOB, "
+                             f"e.g. the bundled sample --data {SAMPLE_CORPUS}") from None
+        # WikiText rows are lines (articles start at headings); other hub corpora have a doc per row
+        return [("lines" if name.endswith("wikitext") else "docs", ds.select_columns(["text"]), data)]
+    # one split per file, one load_dataset call per builder: file boundaries stay visible
+    builders = [_builder(f) or "text" for f in files]  # an explicitly named odd suffix reads as text
+    splits = {}
+    for i, (f, builder) in enumerate(zip(files, builders)):
+        splits.setdefault(builder, {})[f"file{i}"] = str(f)
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # our ValueError says it in one line
+    try:
+        loaded = {b: _load_local(datasets, b, s, hf_cache) for b, s in splits.items()}
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+    parts = []
+    for i, (f, builder) in enumerate(zip(files, builders)):
+        ds = loaded[builder][f"file{i}"]
+        if "text" not in ds.column_names:
+            raise ValueError(f"no 'text' field in {f}")
+        if getattr(ds.features["text"], "dtype", None) not in ("string", "large_string"):
+            raise ValueError(f"the 'text' field of {f} holds {ds.features['text']}, not strings")
+        parts.append(("lines" if builder == "text" else "docs", ds.select_columns(["text"]), str(f)))
+    return parts
+
+def _line_pieces(rows):
+    for line in rows:
+        line = line.rstrip("\r\n")
+        stripped = line.strip()
+        if not stripped or stripped == "</doc>":
+            continue
+        if stripped.startswith("<doc") and stripped.endswith(">"):  # WikiExtractor article start
+            yield None
+            continue
+        if WIKITEXT_HEADING.match(line):
+            yield None
+        yield line
+
+def _doc_pieces(rows):
+    for text in rows:
+        if text and text.strip():
+            yield None
+            yield text
+
+def pieces(parts, progress=None):
+    """Yield batches of text pieces in corpus order; None = document boundary (never first or twice).
+    progress: a tqdm bar, advanced by the rows read."""
+    started = False
+    for kind, ds, name in parts:
+        boundary = True  # every file starts a document
+        for batch in ds.iter(batch_size=BATCH_ROWS):
+            if any(text and "\x00" in text for text in batch["text"]):  # valid UTF-8, but not text
+                raise ValueError(f"cannot read {name}: NUL bytes in the text (a binary file?)")
+            out = []
+            for piece in (_line_pieces if kind == "lines" else _doc_pieces)(batch["text"]):
+                if piece is None:
+                    boundary = True
+                    continue
+                if boundary and started:
+                    out.append(None)
+                boundary, started = False, True
+                out.append(piece)
+            yield out
+            if progress is not None:
+                progress.update(len(batch["text"]))

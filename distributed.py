@@ -1,0 +1,168 @@
+"""Where a run executes: the device and its precision, torchrun / DDP set-up, and stopping on a signal.
+
+The algorithm does not need this module: on one process it reduces to "cpu or cuda, fp32 or bf16". It
+guarantees (test_train.py's DDP, torchrun-SIGTERM and SIGKILL tests; test_reliability.py's signal tests):
+- torchrun's RANK / WORLD_SIZE / LOCAL_RANK give each process its GPU (NCCL) or a gloo CPU group;
+- a frozen or dead rank fails the others' next collective after DDP_TIMEOUT instead of hanging for good,
+  and the ranks that wait while rank 0 tokenizes a corpus wait up to DATA_TIMEOUT on their own group;
+- SIGINT / SIGTERM stop a run between two steps, never inside one, and every rank stops after the same
+  step (a tiny gloo all-reduce each step); a second Ctrl-C stops at once; a SIGKILLed torchrun takes its
+  workers along (Linux: they get SIGTERM and save).
+"""
+import os
+import signal
+import sys
+from contextlib import nullcontext
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+# a frozen or dead rank fails the others' next collective after this long, instead of hanging for good
+DDP_TIMEOUT = timedelta(minutes=15)
+# ranks > 0 wait while rank 0 trains the tokenizer and tokenizes the corpus, hours for a full
+# Wikipedia: that one barrier runs on its own gloo group with a long timeout (NCCL's default of
+# 10 min would kill the job), so the training collectives keep the short one above
+DATA_TIMEOUT = timedelta(hours=6)
+
+
+@dataclass
+class Layout:
+    """This process's place in the run: rank, world size, and its device."""
+    ddp: bool
+    rank: int
+    world: int
+    device: str
+    data_group: object = None
+    stop_group: object = None
+
+    @property
+    def master(self):
+        return self.rank == 0
+
+    @property
+    def device_type(self):
+        return "cuda" if self.device.startswith("cuda") else self.device
+
+
+def setup(cfg):
+    """The device (--device, or the best one present) and, under torchrun, the process group."""
+    device = cfg.device if cfg.device != "auto" else (
+        "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu")
+    if "RANK" not in os.environ:
+        return Layout(ddp=False, rank=0, world=1, device=device)
+    rank, world, local_rank = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    if sys.platform == "linux":  # a SIGKILLed torchrun leaves its workers training: SIGTERM them (they save)
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    if device == "cuda":
+        device = f"cuda:{local_rank}"
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo", timeout=DDP_TIMEOUT)
+    return Layout(ddp=True, rank=rank, world=world, device=device,
+                  data_group=dist.new_group(backend="gloo", timeout=DATA_TIMEOUT),
+                  stop_group=dist.new_group(backend="gloo", timeout=DDP_TIMEOUT))  # agreeing on a stop, on the CPU
+
+
+def rank0_first(layout, prepare):
+    """prepare() on rank 0, then on the other ranks (which then read rank 0's token cache)."""
+    if layout.ddp and not layout.master:
+        try:
+            dist.barrier(group=layout.data_group)
+        except RuntimeError:  # rank 0 exited on bad input (its error line says why), or took over DATA_TIMEOUT
+            raise ValueError(f"rank 0 stopped while preparing the data (its error line says why), or took over "
+                             f"{DATA_TIMEOUT}") from None  # said once per node (LOCAL_RANK 0), not once per rank
+    result = prepare()
+    if layout.ddp and layout.master:
+        dist.barrier(group=layout.data_group)
+    return result
+
+
+def wrap(layout, trainer):
+    return torch.nn.parallel.DistributedDataParallel(trainer) if layout.ddp else trainer
+
+
+def no_sync(layout, trainer, last_micro_step):
+    """Gradients are all-reduced on the last micro-step only."""
+    return trainer.no_sync() if layout.ddp and not last_micro_step else nullcontext()
+
+
+def mean_over_ranks(layout, metrics):
+    """The global batch's mean of each logged value, not rank 0's share of it."""
+    if not layout.ddp:
+        return metrics
+    values = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=layout.device) for v in metrics.values()])
+    dist.all_reduce(values)
+    return dict(zip(metrics, values / layout.world))
+
+
+def first_across_ranks(layout, value):
+    """The smallest of a device tensor over all ranks (the first bad step), so that all ranks stop together."""
+    value = value.clone()
+    if layout.ddp:
+        dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return int(value)
+
+
+def close(layout):
+    if layout.ddp:
+        dist.destroy_process_group()
+
+
+def precision(cfg, layout):
+    """(dtype name, autocast context, GradScaler): --dtype auto is bf16 from Ampere on, fp16 with a loss
+    scaler on older GPUs, fp32 on a CPU."""
+    dtype, device_type = cfg.dtype, layout.device_type
+    if dtype == "auto":
+        # bf16 from Ampere on; a V100 / T4 only emulates it (slowly), so it gets fp16 and a GradScaler
+        bf16 = device_type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+        dtype = "bf16" if bf16 else "fp16" if device_type == "cuda" else "fp32"
+    if device_type == "cpu" and dtype != "fp32" and layout.master:
+        print(f"note: --dtype {dtype} on a CPU without AVX512-BF16/AMX is slower than fp32 (4x in a smoke run on a "
+              f"2-core AVX2 CPU); --dtype auto picks fp32 on a CPU")
+    ptdtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    autocast = nullcontext() if dtype == "fp32" else torch.autocast(device_type, dtype=ptdtype)
+    return dtype, autocast, torch.amp.GradScaler(device_type, enabled=dtype == "fp16")
+
+
+class StopSignals:
+    """SIGINT (Ctrl-C) and SIGTERM (what schedulers send before SIGKILL) stop the run between two steps:
+    `stopping()` turns true after the step in flight. A second Ctrl-C raises KeyboardInterrupt at once;
+    a second SIGTERM is ignored (the scheduler and torchrun both send one; it must not abort the save).
+    Used as a context manager: the previous handlers come back on exit, unless a stop was seen (then a
+    late repeated SIGTERM keeps being ignored while the process exits)."""
+
+    def __init__(self, layout):
+        self.layout, self.received = layout, []
+
+    def __enter__(self):
+        self.handlers = {s: signal.signal(s, self.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc):
+        if not self.received:
+            for s, handler in self.handlers.items():
+                signal.signal(s, handler)
+
+    def on_signal(self, signum, frame):
+        if self.received and signum == signal.SIGINT:  # a second Ctrl-C: stop now
+            raise KeyboardInterrupt
+        if not self.received:
+            self.received.append(signum)
+
+    @property
+    def name(self):
+        return signal.Signals(self.received[0]).name
+
+    def stopping(self):
+        # under DDP a signal reaches the ranks at different moments: they agree (a tiny gloo all-reduce on
+        # the CPU, no GPU sync) so that all stop after the same step; one going on would hang in all-reduce.
+        # Every step: torchrun kills its workers 30 s after passing on a SIGTERM
+        if not self.layout.ddp:
+            return bool(self.received)
+        flag = torch.tensor([len(self.received)])
+        dist.all_reduce(flag, group=self.layout.stop_group)
+        if flag.item() and not self.received:
+            self.received.append(signal.SIGTERM)
+        return bool(flag.item())

@@ -1,0 +1,379 @@
+"""The run directory (out_dir): what makes a run safe to kill, resume and trust. The algorithm does not need it.
+
+It guarantees (test_reliability.py and test_train.py hold it to each):
+- one run per out_dir: an OS file lock (flock), released by the OS however the holder dies;
+- every file is written atomically (NAME.tmp, then a rename); a run killed mid-save leaves its partial
+  files, which the next run on the out_dir removes; a half-written last log line is dropped;
+- ckpt.pt is what --resume trusts; the Hugging Face export is written before it and rewritten from it
+  when the two disagree (a run killed between them); a failed save (a full disk) keeps the last good one;
+- a resume reads its own tokenizer and refuses other data (a fingerprint of the token streams);
+- every segment of a run records the code that ran (git commit, code.diff of local changes), torch, host;
+- bad input is one `error:` line and exit 2 (once, from rank 0 under torchrun), nothing saved is touched.
+"""
+import hashlib
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from dataclasses import asdict, replace
+
+import numpy as np
+import torch
+from safetensors import SafetensorError
+
+import data
+from config import RankError, init_dir, parse_args, resume_config, saved_config, validate
+from hf_io import write_atomic
+from model import Bert, BertConfig
+from monitor import Diverged, duration
+
+# the files a run writes into out_dir, each through NAME.tmp or NAME.tmpPID and a rename
+RUN_FILES = (r"ckpt\.pt|model\.safetensors|config\.json|tokenizer\.json|vocab\.txt|tokenizer_config\.json|"
+             r"special_tokens_map\.json|code(-step\d+)?\.diff")
+
+
+class SaveFailed(Exception):
+    """A checkpoint could not be written (a full disk): its partial files are gone, ckpt.pt is the last good one."""
+
+
+def run_main(train, argv, usage):
+    """train.py's command line: flags -> TrainConfig (or a checkpoint's, with --resume), checked, the
+    out_dir locked, then train(cfg, ckpt). Errors become one line and an exit code."""
+    lock = made = None
+    rank = int(os.environ.get("RANK", 0))  # torchrun's; errors are printed once, by rank 0
+    try:
+        cfg, given = parse_args(sys.argv[1:] if argv is None else argv, usage=usage)
+        if cfg.init_from and "model_size" in given:
+            raise ValueError(f"--model_size {cfg.model_size}: with --init_from the model is the checkpoint's own; "
+                             f"drop --model_size")
+        ckpt = None
+        if cfg.resume:
+            cfg, ckpt = resume_config(cfg, given)
+        validate(cfg)
+        if rank == 0:
+            made = None if os.path.isdir(cfg.out_dir) else cfg.out_dir
+            lock = take_lock(cfg.out_dir)  # before anything is written there
+            remove_partial_writes(cfg.out_dir)
+        code = train(cfg, ckpt)
+    except ValueError as e:  # bad input: one clear line, exit 2, nothing saved is touched
+        if rank == 0:  # once, not once per DDP rank: most bad input is the same on every rank
+            sys.stderr.write(f"error: {e}\n")
+        elif isinstance(e, RankError) or int(os.environ.get("LOCAL_RANK", 0)) == 0:
+            sys.stderr.write(f"error (rank {rank}): {e}\n")  # its own GPU; another node's disk
+        sys.exit(2)
+    except (Diverged, SaveFailed) as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:  # before the training loop, which handles its own
+        print("interrupted before training started: nothing was saved", file=sys.stderr)
+        sys.exit(130)
+    finally:
+        if lock:
+            release_lock(lock)
+        if made and os.path.isdir(made) and not os.listdir(made):  # bad input found late (a --data path)
+            os.rmdir(made)
+    if code:
+        sys.exit(code)
+
+
+def take_lock(out_dir):
+    """Hold out_dir/.lock while a run writes there: a second run on the same out_dir is refused. It is
+    an OS file lock (flock), so the OS releases it when the process dies, however it dies, on this host
+    or another one sharing the file system: a killed run never leaves a stale lock. The file holds
+    "pid host" for the error message. Returns the open file: closing it (or exiting) releases the lock."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, ".lock")
+    while True:
+        try:
+            f = open(path, "a+")
+        except OSError as e:  # .lock is a directory, or unwritable
+            raise ValueError(f"cannot open the run's lock file {path} ({e.strerror})") from None
+        try:
+            if os.name == "nt":  # Windows has no flock: lock the first byte
+                import msvcrt
+                f.seek(0)
+                msvcrt.locking(f.fileno(), msvcrt.LK_NBLCK, 1)
+            else:
+                import fcntl
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            try:
+                f.seek(0)
+                pid, host = f.read().split()
+                holder = f"process {pid} on {host}"
+            except (OSError, ValueError):
+                holder = "another process"
+            f.close()
+            raise ValueError(f"--out_dir {out_dir} is in use by {holder} (it holds {path})") from None
+        try:  # the holder we waited on may have deleted the file on its way out: lock the one at path
+            same = os.path.samestat(os.fstat(f.fileno()), os.stat(path))
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        f.close()
+    try:  # "pid host" only names the holder in another run's error: a full disk must not stop this one here
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()} {socket.gethostname()}")
+        f.flush()
+    except OSError:
+        pass
+    return f
+
+
+def release_lock(lock):
+    """Delete the .lock, then release it (in this order: see take_lock's samestat check)."""
+    try:
+        os.remove(lock.name)
+    except OSError:
+        pass
+    lock.close()
+
+
+def remove_partial_writes(out_dir):
+    """A run killed mid-save leaves its temporary file (ckpt.pt.tmp: over a GB for BERT-base); the
+    finished files, and any file that is not one of ours, are untouched. Called under the lock, so
+    no other run is writing here."""
+    for name in os.listdir(out_dir):
+        if re.fullmatch(rf"({RUN_FILES})\.tmp\d*", name) and os.path.isfile(os.path.join(out_dir, name)):
+            os.remove(os.path.join(out_dir, name))
+
+
+def atomic_save(obj, path):
+    torch.save(obj, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def data_fingerprint(train_tokens, val_tokens):
+    """The token streams' sizes and a hash of 4,096 tokens spread over each: a resume refuses other or
+    edited data (same path, other files; a corpus changed in place), which would silently move the run."""
+    h = hashlib.sha1()
+    for tokens in (train_tokens, val_tokens):
+        h.update(np.asarray(tokens[np.linspace(0, max(len(tokens) - 1, 0), 4096).astype(np.int64)]).tobytes()
+                 if len(tokens) else b"")
+    return f"{len(train_tokens)}+{len(val_tokens)} tokens, sha1 {h.hexdigest()[:16]}"
+
+
+def repair_log(path):
+    """A run killed mid-write leaves a partial last line in log.jsonl: drop it, so the next record
+    starts on its own line. A whole record that lacks only its newline is kept and ended."""
+    if not os.path.isfile(path) or os.path.getsize(path) == 0:
+        return
+    with open(path, "rb+") as f:
+        f.seek(-1, os.SEEK_END)
+        if f.read(1) == b"\n":
+            return
+        f.seek(0)
+        text = f.read()
+        start = text.rfind(b"\n") + 1
+        try:
+            json.loads(text[start:])
+            f.write(b"\n")  # at the end: the record was whole
+        except ValueError:
+            f.seek(start)
+            f.truncate()
+
+
+def provenance(out_dir=None, diff_name="code.diff"):
+    """The code that ran: git commit, whether the checkout had local changes (and the sha1 of
+    `git diff HEAD` plus any untracked .py file, saved as out_dir/diff_name), torch version, host.
+    Outside git: commit None."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    git = lambda *args: subprocess.run(["git", *args], cwd=here, capture_output=True, text=True, timeout=30)
+    commit, diff = None, ""
+    try:
+        out = git("rev-parse", "HEAD")
+        if out.returncode == 0:
+            commit, diff = out.stdout.strip(), git("diff", "HEAD").stdout
+            top = git("rev-parse", "--show-toplevel").stdout.strip()
+            for name in git("ls-files", "--others", "--exclude-standard", "--full-name", ":/*.py").stdout.split():
+                with open(os.path.join(top, name), encoding="utf-8", errors="replace") as f:  # an ablation's new module
+                    diff += f"untracked file {name}:\n" + "".join("+" + line for line in f)
+    except (OSError, subprocess.SubprocessError):
+        pass
+    if diff and out_dir:
+        write_atomic(os.path.join(out_dir, diff_name), diff)
+    return dict(git_commit=commit, dirty=bool(diff), diff_sha1=hashlib.sha1(diff.encode()).hexdigest() if diff else None,
+                torch=torch.__version__, host=socket.gethostname())
+
+
+def export_step(out_dir):
+    """The training step recorded in the Hugging Face export (model.safetensors and config.json), or
+    None when the two disagree or are missing."""
+    try:
+        from safetensors import safe_open
+        with safe_open(os.path.join(out_dir, "model.safetensors"), "pt") as f:
+            weights_step = (f.metadata() or {}).get("training_step")
+        with open(os.path.join(out_dir, "config.json")) as f:
+            config_step = json.load(f).get("training_step")
+    except Exception:
+        return None
+    return config_step if weights_step is not None and str(config_step) == weights_step else None
+
+
+def start_weights(cfg, master):
+    """--init_from's model (TaCL's teacher and start; continued MLM), and the tokenizer its weights were
+    trained with (cfg.tokenizer is set to it). None for a run from scratch or a resume."""
+    init_model = Bert.from_pretrained(cfg.init_from)
+    weights_dir = init_dir(cfg.init_from)
+    if not cfg.tokenizer:
+        if not any(os.path.isfile(os.path.join(weights_dir, f)) for f in ("tokenizer.json", "vocab.txt")):
+            raise ValueError(f"--init_from {cfg.init_from}: no tokenizer.json or vocab.txt in {weights_dir}, so "
+                             "the vocabulary its weights were trained with is unknown; pass --tokenizer DIR or "
+                             "a hub name (e.g. bert-base-uncased)")
+        cfg.tokenizer = weights_dir  # the vocabulary the weights were trained with
+    if init_model.fresh_head and master and cfg.objective in ("mlm", "taco", "tacl"):
+        print(f"note: {cfg.init_from} has no MLM head that its run trained (a BertModel, or an ELECTRA / COCO-LM "
+              f"run): the head starts untrained or stale")
+    return init_model
+
+
+def run_tokenizer(cfg, ckpt):
+    """A resumed run reads its own vocabulary from its directory, never the cache's or a newly trained one."""
+    if not ckpt:
+        return cfg.tokenizer or None
+    if not any(os.path.isfile(os.path.join(cfg.out_dir, f)) for f in ("tokenizer.json", "vocab.txt")):
+        raise ValueError(f"--resume {cfg.out_dir}: the run's tokenizer.json / vocab.txt are missing")
+    return cfg.out_dir
+
+
+def model_config_for(cfg, ckpt, init_model, fresh, special):
+    """The model's shape: a resume's own, --init_from's (checked against the tokenizer), else `fresh`."""
+    if ckpt:
+        return replace(BertConfig(**ckpt["model_config"]), dropout=cfg.dropout)  # --dropout may change
+    if init_model:
+        mine = (init_model.config.vocab_size, init_model.config.mask_token_id, init_model.config.cls_token_id)
+        if mine != (fresh.vocab_size, special["mask"], special["cls"]):
+            raise ValueError(f"--init_from {cfg.init_from}: its vocabulary (size, [MASK], [CLS] = {mine}) does not "
+                             f"match the tokenizer's in {cfg.tokenizer} ({fresh.vocab_size}, {special['mask']}, "
+                             f"{special['cls']}); pass --tokenizer with the one its weights were trained with")
+        return replace(init_model.config, dropout=cfg.dropout)
+    return fresh
+
+
+class Run:
+    """The run directory as the loop sees it: attach() the objects a checkpoint holds, then restore(),
+    start(), log(), save(), close()."""
+
+    def __init__(self, cfg, layout, ckpt, fingerprint):
+        if ckpt and ckpt.get("data", fingerprint) != fingerprint:  # (checkpoints before this check have none)
+            raise ValueError(f"--resume {cfg.out_dir}: --data {cfg.data} is not the data this run was trained on "
+                             f"(then {ckpt['data']}, now {fingerprint}): the files were edited, replaced or moved")
+        self.cfg, self.layout, self.ckpt, self.fingerprint = cfg, layout, ckpt, fingerprint
+        self.saved_step, self.log_file, self.diff_name = 0, None, "code.diff"
+
+    def attach(self, model, model_config, objective, optimizer, train_loader, scaler):
+        self.model, self.model_config, self.objective = model, model_config, objective
+        self.optimizer, self.train_loader, self.scaler = optimizer, train_loader, scaler
+        self.trains_head = any(p.requires_grad for p in model.head.parameters())  # COCO-LM, ELECTRA: export without it
+
+    def restore(self):
+        """Load ckpt.pt into the attached objects. Returns (step, training seconds so far); (0, 0.0) when new."""
+        ckpt, cfg = self.ckpt, self.cfg
+        if not ckpt:
+            return 0, 0.0
+        try:
+            self.model.load_state_dict(ckpt["model"])
+            self.objective.load_state_dict(ckpt["objective"])
+            # the saved param groups would override the flags given now (and fused=, which follows the device)
+            state = ckpt["optimizer"]
+            for group, decay in zip(state["param_groups"], (cfg.weight_decay, 0.0)):
+                group.update(betas=(0.9, cfg.beta2), eps=cfg.adam_eps, weight_decay=decay,
+                             fused=self.layout.device_type == "cuda")
+            self.optimizer.load_state_dict(state)
+            for p, moments in self.optimizer.state.items():  # load_state_dict does not check: a mismatch fails mid-step
+                if any(torch.is_tensor(v) and v.dim() and v.shape != p.shape for v in moments.values()):
+                    raise ValueError(f"optimizer state of shape {[tuple(v.shape) for v in moments.values()]} for a "
+                                     f"weight of shape {tuple(p.shape)}")
+            self.train_loader.load_state_dict(ckpt["loader"])  # global sequences read: exact on any batch / world size
+            if self.scaler.is_enabled() and ckpt["scaler"]:  # a bf16 / fp32 run saved an empty state: a fresh scale
+                self.scaler.load_state_dict(ckpt["scaler"])
+        except (RuntimeError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"--resume: checkpoint does not match this run ({' '.join(str(e).split())[:300]})") from None
+        self.saved_step = ckpt["step"]
+        return ckpt["step"], ckpt.get("elapsed_s", 0.0)  # (checkpoints before elapsed_s was saved: 0)
+
+    def start(self, tok, step):
+        """Rank 0: the tokenizer (once) and log.jsonl's first record: the config and the code that ran."""
+        if not self.layout.master:
+            return
+        cfg, ckpt = self.cfg, self.ckpt
+        if not ckpt:  # a resumed run's tokenizer is the one in its directory: never rewritten
+            data.save_tokenizer(tok, cfg.out_dir)
+        log_path = os.path.join(cfg.out_dir, "log.jsonl")
+        if not ckpt and os.path.isfile(log_path):
+            print(f"note: {cfg.out_dir} holds a run stopped before its first checkpoint: it starts again from step 0 "
+                  f"(its log.jsonl goes on; a step logged twice counts once, the later)")
+        repair_log(log_path)
+        self.log_file = open(log_path, "a")
+        # the code that ran, for each segment of the run: a resume's local changes go to code-step{N}.diff
+        self.diff_name = f"code-step{step}.diff" if ckpt else "code.diff"
+        start = {"config": asdict(cfg), "provenance": provenance(cfg.out_dir, self.diff_name)}
+        start.update({"resumed_from_step": step} if ckpt else {"model_config": asdict(self.model_config)})
+        self.log(start)
+
+    def report_resume(self, step, lr_at):
+        """Rank 0, on a resume: what moved, and an export that matches ckpt.pt."""
+        cfg, ckpt = self.cfg, self.ckpt
+        if not ckpt or not self.layout.master:
+            return
+        print(f"resumed from step {step} (of {cfg.max_steps}) in {cfg.out_dir}")
+        old = saved_config(ckpt)
+        changed = ", ".join(f"{k} {getattr(old, k)} -> {getattr(cfg, k)}" for k in ("lr", "warmup_steps", "max_steps")
+                            if getattr(old, k) != getattr(cfg, k))
+        if changed:  # said even when the lr at this step is the same (in warm-up): the decay moved
+            print(f"the learning-rate schedule moved ({changed}): lr at step {step} was {lr_at(step, old):.2e}, "
+                  f"now {lr_at(step, cfg):.2e} (warm-up {cfg.warmup_steps}, linear decay to 0 at {cfg.max_steps})")
+        if export_step(cfg.out_dir) != step:  # a run killed between the export and ckpt.pt: ckpt.pt wins
+            self.model.save_pretrained(cfg.out_dir, mlm_head=self.trains_head, step=step)
+            print(f"rewrote the Hugging Face export in {cfg.out_dir} from ckpt.pt (step {step})")
+
+    def log(self, record):
+        if self.log_file:
+            self.log_file.write(json.dumps(record) + "\n")
+            self.log_file.flush()
+
+    def save(self, step, elapsed_s):
+        """The export first, then ckpt.pt (what --resume trusts, and it rewrites an export of another step).
+        One writer: the ranks hold the same weights, and the loader state is global."""
+        cfg = self.cfg
+        if self.layout.master:
+            try:
+                self.model.save_pretrained(cfg.out_dir, mlm_head=self.trains_head, step=step)
+                atomic_save(dict(model=self.model.state_dict(), model_config=asdict(self.model_config),
+                                 objective=self.objective.state_dict(), optimizer=self.optimizer.state_dict(),
+                                 scaler=self.scaler.state_dict(), step=step, loader=self.train_loader.state_dict(),
+                                 elapsed_s=elapsed_s, config=asdict(cfg), data=self.fingerprint),
+                            os.path.join(cfg.out_dir, "ckpt.pt"))
+            except (OSError, RuntimeError, SafetensorError) as e:  # a full disk: torch.save raises RuntimeError
+                remove_partial_writes(cfg.out_dir)
+                reason = (str(e).splitlines() or [type(e).__name__])[0][:200]
+                kept = (f"ckpt.pt keeps step {self.saved_step}, --resume goes on from it" if self.saved_step
+                        else "no ckpt.pt yet")
+                raise SaveFailed(f"cannot save step {step} into {cfg.out_dir} ({reason}); {kept}") from None
+        self.saved_step = step
+
+    def close(self, step, first_step=None, seconds=None, stopped_by=None):
+        """Closes log.jsonl; rank 0 says where the run stopped and how to go on."""
+        if self.log_file:
+            self.log_file.close()
+        if not self.layout.master:
+            return
+        cfg, saved = self.cfg, self.saved_step
+        if stopped_by == "KeyboardInterrupt":  # a second signal, mid-step: the last checkpoint stands
+            print(f"interrupted at step {step}: " + (f"--resume {cfg.out_dir} continues from the last checkpoint, "
+                  f"step {saved}" if saved else "no checkpoint was saved yet"), flush=True)
+        elif stopped_by:  # between two steps: rank 0 saved the weights of `step`
+            print(f"{stopped_by}: stopped after step {step}; " + (
+                  f"{cfg.out_dir}/ckpt.pt holds step {saved}: {'torchrun ... ' if self.layout.ddp else 'python '}"
+                  f"train.py --resume {cfg.out_dir} continues" if saved else "no step was done, nothing was saved"),
+                  flush=True)
+        else:
+            print(f"done: steps {first_step} -> {step} in {duration(seconds)}. In {cfg.out_dir}: ckpt.pt "
+                  f"(step {step}, for --resume), model.safetensors + config.json (Hugging Face export, for eval.py "
+                  f"--model), tokenizer.json + vocab.txt, log.jsonl" + (f", {self.diff_name}" if os.path.isfile(
+                      os.path.join(cfg.out_dir, self.diff_name)) else ""))

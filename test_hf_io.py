@@ -1,0 +1,201 @@
+"""hf_io.py: Hugging Face directories in and out (into transformers, and back into ours bit for bit), one clear
+ValueError for each kind of bad file, pickles refused, and what a run's export says about its step. The logits
+against transformers are test_model.py's."""
+import json
+import os
+import re
+
+import pytest
+import torch
+
+from model import Bert, BertConfig
+
+transformers = pytest.importorskip("transformers")
+from test_model import TINY, hf_tiny, save_hf  # noqa: E402  (after the skip: test_model needs transformers too)
+
+
+def test_export_loads_back_into_transformers(tmp_path):
+    torch.manual_seed(0)
+    ours = Bert(BertConfig(**TINY, dropout=0.1)).eval()
+    ours.save_pretrained(str(tmp_path))
+    mode = lambda name: (tmp_path / name).stat().st_mode & 0o777
+    assert mode("model.safetensors") == mode("config.json")  # not safetensors' 0600: shareable like the rest
+    hf = transformers.AutoModelForMaskedLM.from_pretrained(str(tmp_path)).eval()
+    # one dropout here, both of BERT's there (fine-tuning from the export trains with them)
+    assert hf.config.hidden_dropout_prob == hf.config.attention_probs_dropout_prob == 0.1
+    assert hf.config.layer_norm_eps == 1e-12 and hf.config.hidden_act == "gelu"
+    x = torch.randint(5, 100, (2, 12))
+    with torch.no_grad():
+        assert torch.allclose(hf(input_ids=x).logits, ours.mlm_logits(ours(x)), atol=1e-4)
+    # and back into ours, through the same path
+    again = Bert.from_pretrained(str(tmp_path)).eval()
+    with torch.no_grad():
+        assert torch.equal(again.mlm_logits(again(x)), ours.mlm_logits(ours(x)))
+
+
+def test_loaded_weights_leave_the_padded_vocab_rows_zero(tmp_path):
+    # the checkpoint holds vocab_size rows: the padding rows are zeros, not this process's random init
+    m = Bert.from_pretrained(save_hf(hf_tiny(), str(tmp_path)))
+    assert m.embeddings.word.weight.shape[0] == 128 and m.head.bias.shape[0] == 128
+    assert not m.embeddings.word.weight[100:].any() and not m.head.bias[100:].any()
+    assert m.embeddings.word.weight[:100].any()
+
+
+def test_bad_checkpoints_are_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match="no such"):
+        Bert.from_pretrained(str(tmp_path / "nope"))
+    with pytest.raises(ValueError, match="not a checkpoint"):
+        Bert.from_pretrained(str(tmp_path))
+    ours = Bert(BertConfig(**TINY))
+    ours.save_pretrained(str(tmp_path))
+    with open(tmp_path / "model.safetensors", "wb") as f:
+        f.write(b"garbage")
+    with pytest.raises(ValueError, match="corrupt"):
+        Bert.from_pretrained(str(tmp_path))
+    cfg = json.load(open(tmp_path / "config.json"))
+    ours.save_pretrained(str(tmp_path))
+    cfg["hidden_size"] = 64
+    json.dump(cfg, open(tmp_path / "config.json", "w"))
+    with pytest.raises(ValueError, match="shape|missing"):
+        Bert.from_pretrained(str(tmp_path))
+    bad = tmp_path / "ckpt.pt"
+    bad.write_bytes(b"\x00" * 10)
+    with pytest.raises(ValueError, match="corrupt"):
+        Bert.from_pretrained(str(bad))
+    assert os.path.isfile(tmp_path / "model.safetensors")  # nothing saved was removed
+
+
+@pytest.mark.parametrize("edit,problem", [
+    (lambda s: s.pop("bert.pooler.dense.bias"), "bert.pooler.dense.bias is missing"),
+    (lambda s: s.update({"bert.pooler.dense.weight": s["bert.pooler.dense.weight"][:4]}), "is (4, 32)"),
+    (lambda s: s.update({"bert.embeddings.LayerNorm.weight": torch.ones(32, dtype=torch.int64)}), "holds torch.int64"),
+    # the vocabulary rows are stored unpadded: exactly vocab_size of them, not fewer (zero-padded up) or more
+    (lambda s: s.update({"bert.embeddings.word_embeddings.weight": s["bert.embeddings.word_embeddings.weight"][:99]}),
+     "has shape (99, 32), expected (100, 32)"),
+    (lambda s: s.update({"cls.predictions.bias": torch.zeros(101)}), "has shape (101,), expected (100,)"),
+])
+def test_weights_of_the_wrong_kind_are_clear_errors(tmp_path, edit, problem):
+    from safetensors.torch import load_file, save_file
+    ours = Bert(BertConfig(**TINY))
+    ours.pooler = torch.nn.Linear(32, 32)
+    ours.save_pretrained(str(tmp_path))
+    state = load_file(tmp_path / "model.safetensors")
+    edit(state)
+    save_file(state, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        Bert.from_pretrained(str(tmp_path))
+
+
+@pytest.mark.parametrize("edit,problem", [
+    ([], "expected a JSON object"), ({"hidden_size": "32"}, "hidden_size = '32'"),
+    ({"num_hidden_layers": None}, "num_layers = None"), ({"num_attention_heads": 3}, "not a multiple of num_heads 3"),
+    ({"hidden_dropout_prob": 1.5}, "dropout = 1.5"), ({"vocab_size": True}, "vocab_size = True"), ("{", "Expecting"),
+    ({"pad_token_id": 99999}, "pad_token_id = 99999, must be < vocab_size")])
+def test_a_corrupt_config_is_one_clear_error(tmp_path, edit, problem):
+    Bert(BertConfig(**TINY)).save_pretrained(str(tmp_path))
+    cfg = json.load(open(tmp_path / "config.json"))
+    text = edit if isinstance(edit, str) else json.dumps({**cfg, **edit} if isinstance(edit, dict) else edit)
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ValueError, match="not a valid BERT config") as info:
+        Bert.from_pretrained(str(tmp_path))
+    assert problem in str(info.value) and "\n" not in str(info.value)
+    # a training checkpoint's model_config is checked the same way
+    torch.save({"model": {}, "model_config": dict(TINY, num_heads=3)}, tmp_path / "ckpt.pt")
+    with pytest.raises(ValueError, match="not a valid model config"):
+        Bert.from_pretrained(str(tmp_path / "ckpt.pt"))
+
+
+def test_hf_checkpoints_this_bert_cannot_hold_are_refused(tmp_path):
+    # an untied decoder, a causal decoder, an extra layer: each would load silently wrong, so each is refused
+    def cfg(**kw):
+        return transformers.BertConfig(**{**hf_tiny().config.to_dict(), **kw})
+    untied = transformers.BertForMaskedLM(cfg(tie_word_embeddings=False))
+    with pytest.raises(ValueError, match="untied MLM decoder"):
+        Bert.from_pretrained(save_hf(untied, str(tmp_path / "untied")))
+    with pytest.raises(ValueError, match="is_decoder"):
+        Bert.from_pretrained(save_hf(transformers.BertForMaskedLM(cfg(is_decoder=True)), str(tmp_path / "decoder")))
+    deeper = save_hf(transformers.BertForMaskedLM(cfg(num_hidden_layers=3)), str(tmp_path / "deeper"))
+    config = json.load(open(os.path.join(deeper, "config.json")))
+    json.dump({**config, "num_hidden_layers": 2}, open(os.path.join(deeper, "config.json"), "w"))
+    with pytest.raises(ValueError, match="unexpected weight bert.encoder.layer.2"):
+        Bert.from_pretrained(deeper)
+    # what HF ties or this model has no use for still loads: a tied decoder in a transformers 4 .bin (which
+    # save_pretrained 5 no longer writes: built by hand), a position_ids buffer, NSP, task heads
+    hf = transformers.BertForPreTraining(cfg())
+    state = {**hf.state_dict(), "bert.embeddings.position_ids": torch.arange(40)[None]}
+    state["cls.predictions.decoder.weight"] = state["bert.embeddings.word_embeddings.weight"]
+    state["cls.predictions.decoder.bias"] = state["cls.predictions.bias"]
+    (tmp_path / "tied_bin").mkdir()
+    torch.save(state, str(tmp_path / "tied_bin" / "pytorch_model.bin"))
+    hf.config.to_json_file(str(tmp_path / "tied_bin" / "config.json"))
+    assert Bert.from_pretrained(str(tmp_path / "tied_bin")).pooler is not None
+    state["cls.predictions.decoder.bias"] = state["cls.predictions.bias"] + 1
+    torch.save(state, str(tmp_path / "tied_bin" / "pytorch_model.bin"))
+    with pytest.raises(ValueError, match="decoder.bias differs"):
+        Bert.from_pretrained(str(tmp_path / "tied_bin"))
+    for head in (transformers.BertForSequenceClassification, transformers.BertForQuestionAnswering):
+        Bert.from_pretrained(save_hf(head(cfg()), str(tmp_path / head.__name__)))
+
+
+def test_sharded_checkpoint_and_special_ids_from_tokenizer_json(tmp_path):
+    hf = hf_tiny()
+    hf.save_pretrained(str(tmp_path), max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").exists() and not (tmp_path / "model.safetensors").exists()
+    ours = Bert.from_pretrained(str(tmp_path)).eval()
+    x = torch.randint(5, 100, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(ours.mlm_logits(ours(x)), hf(input_ids=x).logits, atol=1e-5, rtol=0)
+    # transformers 5 saves tokenizer.json without vocab.txt: the special ids come from it, not a guess
+    vocab = {f"w{i}": i for i in range(100)}
+    vocab.update({"[PAD]": 0, "[UNK]": 50, "[CLS]": 51, "[SEP]": 52, "[MASK]": 53})
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"model": {"type": "WordPiece", "vocab": vocab}}))
+    config = Bert.from_pretrained(str(tmp_path)).config
+    assert (config.unk_token_id, config.cls_token_id, config.sep_token_id, config.mask_token_id) == (50, 51, 52, 53)
+    (tmp_path / "model.safetensors.index.json").write_text("{not json")
+    with pytest.raises(ValueError, match="model.safetensors.index.json: not a shard index"):
+        Bert.from_pretrained(str(tmp_path))
+
+
+def test_an_export_with_its_ids_in_config_json_does_not_read_the_tokenizer(tmp_path):
+    Bert(BertConfig(**TINY)).save_pretrained(str(tmp_path))
+    (tmp_path / "vocab.txt").write_bytes(b"\xff\xfe")  # damaged, and not needed: config.json holds every id
+    assert Bert.from_pretrained(str(tmp_path)).config.cls_token_id == BertConfig.cls_token_id
+
+
+def test_pickled_files_are_refused_on_a_torch_without_safe_loading(tmp_path, monkeypatch):
+    import hf_io
+    torch.save({"model": {}, "model_config": {}}, str(tmp_path / "ckpt.pt"))
+    monkeypatch.setattr(torch, "__version__", "2.5.1")  # weights_only=True can be bypassed before 2.6
+    with pytest.raises(ValueError, match="cannot load a pickled file safely; use torch >= 2.6"):
+        hf_io.load_checkpoint_file(str(tmp_path / "ckpt.pt"))
+
+
+def test_a_detector_run_checkpoint_says_its_mlm_head_is_untrained(tmp_path):
+    from dataclasses import asdict
+    model = Bert(BertConfig(**TINY))
+    for objective, fresh in (("electra", True), ("cocolm", True), ("mlm", False)):
+        torch.save(dict(model=model.state_dict(), model_config=asdict(model.config), config={"objective": objective}),
+                   str(tmp_path / "ckpt.pt"))
+        assert Bert.from_pretrained(str(tmp_path / "ckpt.pt")).fresh_head is fresh, objective
+    torch.save(dict(model=model.state_dict(), model_config=asdict(model.config), step=9), str(tmp_path / "ckpt.pt"))
+    assert Bert.from_pretrained(str(tmp_path / "ckpt.pt")).training_step == 9  # eval.py --model .../ckpt.pt
+
+
+def test_an_export_says_its_step_and_whether_its_run_is_still_training(tmp_path):
+    fcntl = pytest.importorskip("fcntl")  # POSIX: Windows runs take no flock
+    from hf_io import still_training
+    run = tmp_path / "run"
+    Bert(BertConfig(**TINY)).save_pretrained(str(run), step=7)
+    assert Bert.from_pretrained(str(run)).training_step == 7 and not still_training(str(run))
+    with open(run / ".lock", "a+") as held:  # what train.py's take_lock holds while it writes there
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert still_training(str(run)) and still_training(str(run / "ckpt.pt"))
+    assert not still_training(str(run))  # released, however its holder ended
+    # a torn export of a run that has its ckpt.pt: the error says how to rewrite it (without one, nothing can)
+    (run / "model.safetensors").write_bytes((run / "model.safetensors").read_bytes()[:100])
+    with pytest.raises(ValueError, match="corrupt weights file") as info:
+        Bert.from_pretrained(str(run))
+    assert "--resume" not in str(info.value)
+    (run / "ckpt.pt").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"corrupt weights file .*train.py --resume .* rewrites it from ckpt.pt"):
+        Bert.from_pretrained(str(run))
