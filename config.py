@@ -52,7 +52,7 @@ class TrainConfig:
     mask_prob: float = 0.15  # share of non-special tokens selected for prediction (BERT)
     # objective hyperparameters, with their sources
     mlm_predict_all: bool = False  # MLM+TP ablation (TACO §5.2): also predict every unmasked token
-    taco_window: int = 5  # W: positives within +-W//2 (TACO App. A, official scripts)
+    taco_window: int = 5  # W (odd): positives within +-W//2 (TACO App. A, official scripts)
     taco_negatives: int = 50  # K negatives per anchor (TACO App. A)
     taco_temperature: float = 0.07  # tau (TACO App. A)
     taco_weight: float = 1.0  # lambda in L_MLM + lambda * L_TC (TACO Eq. 11)

@@ -7,11 +7,12 @@ a multi-node GPU cluster.
     torchrun --standalone --nproc_per_node=8 train.py --objective taco --preset base
 
 Flags are the TrainConfig fields in config.py (--name value or --name=value); --help lists them
-with the chosen preset's values and where each comes from. The loop below reads top to bottom:
-config -> data -> model -> objective -> optimizer -> steps (lr, micro-steps with their seeded draws,
-clip, step; then log / eval / save at their intervals). What makes a run safe to kill and resume
-lives beside it: rundir.py (locks, checkpoints), distributed.py (torchrun, signals), monitor.py.
+with the chosen preset's values and where each comes from.
 """
+# train() below reads top to bottom: config -> data -> model -> objective -> optimizer -> steps (lr,
+# micro-steps with their seeded draws, clip, step; then log / eval / save at their intervals). What makes
+# a run safe to kill and resume lives beside it: rundir.py (lock, checkpoints, resume), distributed.py
+# (device, torchrun, signals), monitor.py (divergence watch, FLOPs, console).
 import sys
 import time
 
