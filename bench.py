@@ -5,6 +5,7 @@ at the same config in the same process (GPU numbers are only comparable within o
 
     python bench.py --model_size small,base --objectives all --hf --json out/bench.json   # docs/efficiency.md's table
     python bench.py --model_size small --objectives mlm --profile --out_dir out/profile      # where a step's time goes
+    python bench.py --model_size small --hf --profile --profile_objectives mlm   # every row, the MLM step profiled
     python bench.py --model_size tiny --device cpu --batch_size 8 --seq_len 128 --steps 3 --hf   # runs anywhere
     OMP_NUM_THREADS=1 python bench.py --model_size tiny --device cpu --batch_size 16 --steps 15 --interleave   # ratios
 
@@ -34,7 +35,7 @@ to our MLM step at the same size. transformers is needed for --hf only. Hugging 
 right after our MLM's. A run that fails (out of memory, a compile error) is one "failed" line and an
 "error" entry in --json; the other runs go on, and the exit status is 1.
 
---profile runs torch.profiler over --profile_steps more steps of each timed run and prints the
+--profile runs torch.profiler over --profile_steps more steps of each timed run (of --profile_objectives) and prints the
 top kernels (GPU time) and ops (self CUDA time on GPU, self CPU time on CPU), then writes a
 chrome trace (chrome://tracing, ui.perfetto.dev) per run into --out_dir.
 """
@@ -337,6 +338,8 @@ def main(argv=None):
     p.add_argument("--device", default="auto")
     p.add_argument("--profile", action="store_true", help="profile each run after timing it (see above)")
     p.add_argument("--profile_steps", type=int, default=3, help="steps under the profiler")
+    p.add_argument("--profile_objectives", default="all", help="with --profile: the runs profiled, a comma list of "
+                   "objectives and hf-mlm, or all")
     p.add_argument("--profile_top", type=int, default=12, help="rows per profile table")
     p.add_argument("--out_dir", default="out/bench", help="--profile writes its chrome traces here")
     p.add_argument("--json", default="", help="write the results here")
@@ -350,6 +353,10 @@ def main(argv=None):
     for size in sizes:
         if size not in MODEL_PRESETS:
             p.error(f"unknown model size {size!r} (choose from {', '.join(MODEL_PRESETS)})")
+    profiled = list(LOSSES) + ["hf-mlm"] if args.profile_objectives == "all" else args.profile_objectives.split(",")
+    for name in profiled:
+        if name not in list(LOSSES) + ["hf-mlm"]:
+            p.error(f"--profile_objectives: unknown run {name!r} (choose from {', '.join(LOSSES)}, hf-mlm, or all)")
     for name in ("batch_size", "seq_len", "steps", "profile_steps", "taco_negatives"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1")
@@ -419,7 +426,7 @@ def main(argv=None):
                 mlm_ms = r["step_ms"] if name == "mlm" else mlm_ms
                 r["vs_mlm"] = r["step_ms"] / mlm_ms if mlm_ms else None
                 print(table_row(r), flush=True)
-                if args.profile:
+                if args.profile and name in profiled:
                     try:
                         r["profile"] = profile_steps(step, args, device, f"{size} {name}")
                     except Exception as e:  # the timing stands

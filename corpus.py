@@ -1,7 +1,7 @@
 """
 Reading a pretraining corpus: the files or hub dataset behind --data, as text pieces with the document
 boundaries marked. The algorithm does not need this module: data.prepare_data calls load_corpus and
-pieces only when its token cache (token_cache.py) misses, and any list of strings would do.
+pieces only when its token cache (token_files.py) misses, and any list of strings would do.
 
 What it reads: a `datasets` hub name ("wikitext:wikitext-103-raw-v1" = load_dataset("wikitext",
 "wikitext-103-raw-v1")) or a local file / directory / glob of .txt .raw .jsonl .parquet, optionally

@@ -10,6 +10,7 @@ results.md, results.json and plots.
                                                                          # the analysis and report of every run
     python reproduce.py --scale mini ... --only glue,analysis,report     # some stages, every run
     python reproduce.py --scale mini ... --nproc_per_node 4              # pretraining on 4 GPUs (torchrun)
+    python reproduce.py --scale mini ... --only glue,short --glue_jobs 4 # one GLUE recipe, 4 eval.py at a time
 
 Every step is a subprocess (`python train.py ...`, `python eval.py ...`), and every stage is
 skipped when its outputs are already there (a killed pretraining run is resumed), so a long
@@ -20,8 +21,10 @@ result made from another step counts as not done. Runs, in out_dir/:
     mlm, taco, cocolm, electra   pretrained from scratch, --steps steps each
     tacl, mlm_cont               continued from mlm for --extra_steps: TaCL, and MLM as its control
 
-Stages (--only takes stage names and/or run names): pretrain, continue, glue, analysis, report.
-What the scales mean is in SCALES below, with the reasons for the numbers.
+Stages (--only takes stage names, run names and/or GLUE recipe names): pretrain, continue, glue, analysis,
+report. GLUE runs once per --recipes entry (eval.py --recipe): RUN/glue.json holds the paper recipe's
+scores, RUN/glue_RECIPE.json the others'. What the scales mean is in SCALES below, with the reasons for
+the numbers; device_run.py splits the mini scale into commands that each fit one GPU session.
 """
 import argparse
 import glob
@@ -41,6 +44,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 STAGES = ["pretrain", "continue", "glue", "analysis", "report"]
 SCRATCH = ["mlm", "taco", "cocolm", "electra"]  # pretrained from scratch
 CONTINUED = {"tacl": "tacl", "mlm_cont": "mlm"}  # run name -> objective, both --init_from the mlm run
+# eval.py --recipe's choices (test_reproduce.py checks they agree), and what each is, for results.md
+RECIPES = {"paper": "TACO's Table 7: lr 5e-5, 4 epochs, per-task batch and warm-up",
+           "uniform": "TACO's scripts: one recipe for every task, lr 5e-5, batch 32, 4 epochs",
+           "short": "ours, for briefly pretrained models: one higher lr for every task (eval.py's SHORT)"}
 
 SCALES = {
     # CPU, seconds: a tiny model, a few dozen steps, GLUE on a few hundred rows, one epoch.
@@ -50,8 +57,8 @@ SCALES = {
                "--tokens_per_step", "512", "--log_interval", "5", "--eval_interval", "10",
                "--eval_batches", "1", "--ckpt_interval", "10", "--val_fraction", "0.05"],
         steps=20, extra_steps=10, continue_lr=1e-3,
-        glue=["--max_train_samples", "64", "--max_eval_samples", "64", "--epochs", "1", "--max_len", "64"],
-        tasks="cola,stsb", seeds="1,2", analysis=["--num_sentences", "50"],
+        glue=["--max_eval_samples", "64", "--epochs", "1", "--max_len", "64"], glue_train_rows=64,
+        recipes="paper", tasks="cola,stsb", seeds="1,2", analysis=["--num_sentences", "50"],
         # one thread: a tiny model gains nothing from more, and on a busy CPU torch's thread pool made a
         # 20-step toy run take 25 s of CPU instead of 3.5 (measured)
         env={"OMP_NUM_THREADS": "1"}),
@@ -64,23 +71,25 @@ SCALES = {
         train=["--preset", "smoke", "--log_interval", "100", "--eval_interval", "500", "--eval_batches", "8",
                "--ckpt_interval", "1000"],
         steps=5000, extra_steps=1000, continue_lr=1e-4,
-        glue=["--max_train_samples", "3000"], tasks="cola,sst2,mrpc,stsb,rte", seeds="1,2", analysis=[], env={}),
+        glue=[], glue_train_rows=3000, recipes="paper", tasks="cola,sst2,mrpc,stsb,rte", seeds="1,2", analysis=[],
+        env={}),
     # One H100, ~25 minutes in all (estimates from bench.py's step times, not yet measured end to end):
     # BERT-small (4 x 512), seq 128, batch 256 (32,768 tokens a step). 3,000 steps (98M tokens) at
     # MLM's 2.4M tokens/s is ~45 s of MLM (TACO 1.5x, ELECTRA 1.7x, COCO-LM 2.6x): ~5 minutes of steps
     # for the four, plus start-up, compile and evaluations (~1 minute a run) and one tokenization.
     # A short schedule wants a higher peak lr than TACO's 1e-4 at 250k steps: 5e-4 (ELECTRA-small's)
-    # with 10% warm-up. TaCL and its MLM control continue for 1,000 steps at TaCL's lr 1e-4.
-    # GLUE: the five small tasks, 2 seeds, train sets capped at 3,000 rows (SST-2's 67k alone would
-    # cost 2.5 minutes a seed): ~40 s per seed per model, ~8 minutes for the 6 runs.
+    # with 10% warm-up. TaCL and its MLM control continue for 1,000 steps at TaCL's lr 1e-4. Held-out
+    # numbers every 250 steps: 13 points on each curve.
+    # GLUE: the five small tasks, 2 seeds, both Table 7's recipe and the short one (Table 7's can leave a
+    # briefly pretrained model's classifier where it started), train sets capped at CoLA's 8,551 rows: CoLA,
+    # MRPC, STS-B and RTE whole, SST-2's 67k cut to as many. device_run.py's budget says what it costs.
     "mini": dict(
         train=["--preset", "small", "--seq_len", "128", "--batch_size", "256", "--tokens_per_step", "32768",
-               "--lr", "5e-4", "--log_interval", "50", "--eval_interval", "500",
+               "--lr", "5e-4", "--log_interval", "50", "--eval_interval", "250",
                "--eval_batches", "20", "--ckpt_interval", "1000",
                # TACO's and COCO-LM's negatives: the paper's 80 per GPU does not divide 256; 64 is the divisor nearest it
                "--negative_pool", "64"],
-        steps=3000, extra_steps=1000, continue_lr=1e-4,
-        glue=["--max_train_samples", "3000"],
+        steps=3000, extra_steps=1000, continue_lr=1e-4, glue=[], glue_train_rows=8551, recipes="paper,short",
         tasks="cola,sst2,mrpc,stsb,rte", seeds="1,2", analysis=[], env={}),
 }
 
@@ -187,11 +196,19 @@ def steps_of(args, name):
     return args.steps if name in SCRATCH else args.extra_steps
 
 
-def glue_todo(run_dir, tasks, seeds):
-    """The tasks that glue.json does not hold as scored ("ok") on the run's current export, with these seeds."""
-    report, step = read_json(os.path.join(run_dir, "glue.json")) or {}, export_step(run_dir)
+def glue_files(recipe):
+    """A recipe's GLUE report and eval.py's part folder in a run directory: the paper recipe's keep the names
+    they had before there were several recipes."""
+    stem = "glue" if recipe == "paper" else f"glue_{recipe}"
+    return stem + ".json", stem + ".part"
+
+
+def glue_todo(run_dir, tasks, seeds, recipe="paper"):
+    """The tasks that the recipe's report does not hold as scored ("ok") on the run's current export, with these
+    seeds and this recipe."""
+    report, step = read_json(os.path.join(run_dir, glue_files(recipe)[0])) or {}, export_step(run_dir)
     done = report.get("tasks") if isinstance(report.get("tasks"), dict) and step is not None and \
-        report.get("seeds") == [int(s) for s in seeds] else {}
+        report.get("seeds") == [int(s) for s in seeds] and report.get("recipe", "paper") == recipe else {}
     return [t for t in tasks if not (isinstance(done.get(t), dict) and done[t].get("status") == "ok"
                                      and done[t].get("training_step") == step)]
 
@@ -233,10 +250,7 @@ def run_cmd(cmd, log_path, dry_run, env=None, timed=None):
         return
     t0, stop = time.time(), []
     with open(log_path, "a") as log:
-        proc = subprocess.Popen(cmd, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env={**(env or {}), **os.environ, "PYTHONUNBUFFERED": "1"},
-                                start_new_session=True,  # a terminal's Ctrl-C reaches it once, through us
-                                preexec_fn=die_with_parent if sys.platform == "linux" else None)
+        proc = spawn(cmd, env)
 
         def forward(signum, frame):
             stop.append(signum)
@@ -260,6 +274,62 @@ def run_cmd(cmd, log_path, dry_run, env=None, timed=None):
         sys.exit(128 + stop[0])
     if code:
         sys.exit(f"error: `{' '.join(cmd)}` failed with exit code {code} (output in {log_path})")
+
+
+def spawn(cmd, env):
+    return subprocess.Popen(cmd, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**(env or {}), **os.environ, "PYTHONUNBUFFERED": "1"},
+                            start_new_session=True,  # a terminal's Ctrl-C reaches it once, through us
+                            preexec_fn=die_with_parent if sys.platform == "linux" else None)
+
+
+def run_parallel(calls, jobs, env):
+    """run_cmd for several subprocesses, at most `jobs` at a time: calls are (cmd, log_path, timed, then), then()
+    runs when its call ends, whatever its exit code. Each line is teed into its call's log and printed with the
+    log's name in front. A signal is passed on to every running call, no new one starts, and this process exits
+    once they have; a failed call lets the others finish, then this process exits with an error."""
+    import threading
+    pending, running, failed, stop, lock = list(calls), {}, [], [], threading.Lock()
+
+    def tee(proc, log_path, prefix):
+        with open(log_path, "a") as log:
+            for line in proc.stdout:
+                log.write(line)
+                with lock:
+                    sys.stdout.write(f"[{prefix}] {line}")
+                    sys.stdout.flush()
+
+    def forward(signum, frame):
+        stop.append(signum)
+        for proc in running:
+            proc.send_signal(signum)
+    handlers = {} if os.name == "nt" else {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while running or pending and not stop:
+            while pending and len(running) < jobs and not stop:
+                cmd, log_path, timed, then = pending.pop(0)
+                print("$ " + " ".join(cmd), flush=True)
+                proc = spawn(cmd, env)
+                reader = threading.Thread(target=tee, args=(proc, log_path, os.path.basename(log_path)[:-4]))
+                reader.start()
+                running[proc] = (cmd, log_path, timed, then, reader, time.time())
+            time.sleep(0.05)
+            for proc in [p for p in running if p.poll() is not None]:
+                cmd, log_path, timed, then, reader, t0 = running.pop(proc)
+                reader.join()
+                note_time(*timed, time.time() - t0)
+                then()
+                if proc.returncode and not stop:
+                    failed.append(f"`{' '.join(cmd)}` failed with exit code {proc.returncode} (output in {log_path})")
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+    if stop:
+        print(f"reproduce.py: stopped by {signal.Signals(stop[0]).name}; rerun the same command to go on",
+              file=sys.stderr)
+        sys.exit(128 + stop[0])
+    if failed:
+        sys.exit("error: " + "\nerror: ".join(failed))
 
 
 def die_with_parent():
@@ -330,6 +400,8 @@ def pretrain(args, scale, name, objective, steps, extra, start=None):
                "--out_dir", run_dir, *extra]
         if args.data:
             cmd += ["--data", args.data]
+        if args.tokenizer and not start:  # a continuation takes its init_from's
+            cmd += ["--tokenizer", args.tokenizer]
         if not args.dry_run:
             os.makedirs(run_dir, exist_ok=True)
             save_json(dict(run_id=uuid.uuid4().hex[:12], **(start or {})), os.path.join(run_dir, "reproduce_init.json"))
@@ -356,52 +428,68 @@ def continue_run(args, scale, name):
     pretrain(args, scale, name, CONTINUED[name], args.extra_steps, extra, dict(mlm_export=export_id(mlm)))
 
 
-def glue(args, scale, name):
-    """Fine-tune the tasks not yet scored on the run's final export. eval.py writes into glue.part/, which
-    absorb_glue merges into glue.json task by task, each stamped with the step it scored: a killed call
-    keeps the tasks it finished (eval.py rewrites its glue.json after each)."""
+def glue_call(args, scale, name, recipe):
+    """The eval.py call that fine-tunes the tasks not yet scored on the run's final export with `recipe`, as
+    (cmd, log path, timed, then), or None. eval.py writes into the recipe's part folder, which absorb_glue
+    merges into its report task by task, each stamped with the step it scored: a killed call keeps the
+    tasks it finished (eval.py rewrites its glue.json after each)."""
     run_dir = os.path.join(args.out_dir, name)
     if not run_finished(run_dir, steps_of(args, name)) and not args.dry_run:
         print(f"[{name}] has not finished its {steps_of(args, name)} steps: no GLUE yet")
-        return
+        return None
     if not args.dry_run:
-        absorb_glue(run_dir)
-    todo = glue_todo(run_dir, args.tasks.split(","), args.seeds.split(","))
+        absorb_glue(run_dir, recipe)
+    report, part = (os.path.join(run_dir, f) for f in glue_files(recipe))
+    todo = glue_todo(run_dir, args.tasks.split(","), args.seeds.split(","), recipe)
     if not todo:
-        print(f"[{name}] GLUE done already ({os.path.join(run_dir, 'glue.json')})")
-        return
+        print(f"[{name}] GLUE ({recipe} recipe) done already ({report})")
+        return None
     absent = [t for t in todo if args.glue_dir and glue_absent(args.glue_dir, t)]
     if absent:  # not done, and checked again by the next call
         print(f"[{name}] GLUE: {', '.join(absent)} not in --glue_dir {args.glue_dir}: skipped (the Avg leaves it out)")
         todo = [t for t in todo if t not in absent]
         if not todo:
-            return
-    part = os.path.join(run_dir, "glue.part")
+            return None
     if not args.dry_run:
         os.makedirs(part, exist_ok=True)
-        save_json(dict(training_step=export_step(run_dir), glue_dir=args.glue_dir), os.path.join(part, "stamp.json"))
+        save_json(dict(training_step=export_step(run_dir), glue_dir=args.glue_dir, recipe=recipe),
+                  os.path.join(part, "stamp.json"))
     cmd = [args.python, "eval.py", "--model", run_dir, "--out", part, "--tasks", ",".join(todo),
-           "--seeds", args.seeds, *scale["glue"]]
+           "--seeds", args.seeds, "--recipe", recipe, "--max_train_samples", str(args.glue_train_rows), *scale["glue"]]
     if args.glue_dir:
         cmd += ["--glue_dir", args.glue_dir]
-    run_cmd(cmd, os.path.join(args.out_dir, f"{name}.glue.out"), args.dry_run, scale["env"], (run_dir, "glue"))
-    if not args.dry_run:
-        absorb_glue(run_dir)
+    log = os.path.join(args.out_dir, f"{name}.{glue_files(recipe)[0][:-len('.json')]}.out")
+    return cmd, log, (run_dir, "glue"), lambda: None if args.dry_run else absorb_glue(run_dir, recipe)
 
 
-def absorb_glue(run_dir):
-    """glue.part/glue.json's tasks into glue.json, stamped with the step glue.part/stamp.json names."""
-    part, path = os.path.join(run_dir, "glue.part"), os.path.join(run_dir, "glue.json")
+def glue(args, scale):
+    """GLUE of the selected runs with each selected recipe, recipe by recipe (so that a stop leaves every run
+    scored by the first), --glue_jobs calls at a time."""
+    calls = [call for recipe in args.glue_recipes for name in args.selected
+             if (call := glue_call(args, scale, name, recipe))]
+    if args.glue_jobs > 1 and len(calls) > 1 and not args.dry_run:
+        run_parallel(calls, args.glue_jobs, scale["env"])
+        return
+    for cmd, log, timed, then in calls:
+        run_cmd(cmd, log, args.dry_run, scale["env"], timed)
+        then()
+
+
+def absorb_glue(run_dir, recipe="paper"):
+    """The recipe's part folder's glue.json tasks into its report, stamped with the step (and recipe) its
+    stamp.json names."""
+    report, part = (os.path.join(run_dir, f) for f in glue_files(recipe))
     new, stamp = read_json(os.path.join(part, "glue.json")), read_json(os.path.join(part, "stamp.json"))
     if new and stamp and isinstance(new.get("tasks"), dict):
-        old = read_json(path) or {}
+        old = read_json(report) or {}
         tasks = old["tasks"] if isinstance(old.get("tasks"), dict) else {}
         tasks.update({t: {**r, "training_step": stamp.get("training_step")} for t, r in new["tasks"].items()
                       if isinstance(r, dict)})
         # eval.py's averages, lists and time covered that call's tasks alone: results.md uses the merged
         # tasks (and their time_s: a part absorbed twice after a kill must not count twice)
         keep = {k: v for k, v in new.items() if k not in ("avg8", "avg9", "missing", "not_run", "time_s")}
-        save_json({**keep, "tasks": tasks, "glue_dir": stamp.get("glue_dir")}, path)
+        save_json({**keep, "tasks": tasks, "glue_dir": stamp.get("glue_dir"),
+                   "recipe": stamp.get("recipe", "paper")}, report)
     shutil.rmtree(part, ignore_errors=True)  # absorbed, or unusable (no stamp: killed before eval.py began)
 
 
@@ -453,10 +541,49 @@ def pm(m, s, digits=1):
     return "–" if m is None else f"{m:.{digits}f} ± {s:.{digits}f}"
 
 
+def glue_summary(run_dir, recipe, asked, step):
+    """One recipe's GLUE of a run for results.md: per task (of those asked) the primary metric per seed, its mean
+    and spread, and the average per seed; a task scored on another export than `step` is stale."""
+    report = read_json(os.path.join(run_dir, glue_files(recipe)[0])) or {}
+    tasks = {}
+    for task, t in (report.get("tasks") or {}).items():
+        if task not in asked or not isinstance(t, dict):  # the Avg is over the tasks asked for
+            continue
+        if t.get("status") != "ok":
+            tasks[task] = dict(status=t.get("status"), reason=t.get("reason"))
+            continue
+        if step is None or t.get("training_step") != step:
+            tasks[task] = dict(status="stale", reason=f"scored at step {t.get('training_step')}, the export "
+                                                      f"is at step {step}")
+            continue
+        per_seed, collapsed = {}, 0
+        for label, run in (t.get("runs") if isinstance(t.get("runs"), dict) else {}).items():
+            seed = str(run.get("seed", label))  # {label: {seed, scores, collapsed}}
+            per_seed[label if seed in per_seed else seed] = run.get("scores") or {}
+            collapsed += bool(run.get("collapsed"))  # fine-tuning predicted one class only
+        key = PRIMARY.get(task) if all(PRIMARY.get(task) in v for v in per_seed.values()) else \
+            next(iter(next(iter(per_seed.values()), {})), None)
+        values = {s: v.get(key) for s, v in per_seed.items()}
+        m, s = mean_std(list(values.values()))
+        tasks[task] = dict(status="ok", metric=key, per_seed=values, mean=m, std=s, collapsed=collapsed,
+                           all_metrics=per_seed)
+    ok = [t for t in tasks.values() if t["status"] == "ok"]
+    seeds = sorted({s for t in ok for s in t["per_seed"]})
+    per_seed_avg = [sum(t["per_seed"][s] for t in ok) / len(ok) for s in seeds
+                    if ok and all(t["per_seed"].get(s) is not None for t in ok)]
+    m, s = mean_std(per_seed_avg)
+    return dict(tasks=tasks, avg=m, avg_std=s, avg_per_seed=per_seed_avg,
+                avg_over=[t for t in asked if tasks.get(t, {}).get("status") == "ok"],
+                finetune_s=sum(t.get("time_s") or 0 for t in (report.get("tasks") or {}).values()
+                               if isinstance(t, dict)))
+
+
 def collect(args, runs):
     """Everything results.md shows, as one JSON-ready dict."""
+    recipes = getattr(args, "recipes", "paper").split(",")  # (a Namespace made by hand may lack the newer settings)
     results = dict(scale=args.scale, data=args.data, seed=args.seed, tasks=args.tasks.split(","),
-                   seeds=args.seeds.split(","), runs={})
+                   seeds=args.seeds.split(","), recipes=recipes, glue_train_rows=getattr(args, "glue_train_rows", None),
+                   runs={})
     analysis = read_json(os.path.join(args.out_dir, "analysis", "analysis.json")) or {}
     for name in runs:
         run_dir = os.path.join(args.out_dir, name)
@@ -481,39 +608,9 @@ def collect(args, runs):
         own = OWN_METRIC.get(name)
         r["own_metric"] = dict(name=own, first=first.get(own), last=last.get(own),
                                baseline=last.get(OWN_BASELINE.get(name)), auc=last.get(OWN_AUC.get(name)))
-        # GLUE: per task the primary metric per seed, mean and spread; the average per seed
-        report = read_json(os.path.join(run_dir, "glue.json")) or {}
-        tasks = {}
-        for task, t in (report.get("tasks") or {}).items():
-            if task not in results["tasks"] or not isinstance(t, dict):  # the Avg is over the tasks asked for
-                continue
-            if t.get("status") != "ok":
-                tasks[task] = dict(status=t.get("status"), reason=t.get("reason"))
-                continue
-            if step is None or t.get("training_step") != step:
-                tasks[task] = dict(status="stale", reason=f"scored at step {t.get('training_step')}, the export "
-                                                          f"is at step {step}")
-                continue
-            per_seed, collapsed = {}, 0
-            for label, run in (t.get("runs") if isinstance(t.get("runs"), dict) else {}).items():
-                seed = str(run.get("seed", label))  # {label: {seed, scores, collapsed}}
-                per_seed[label if seed in per_seed else seed] = run.get("scores") or {}
-                collapsed += bool(run.get("collapsed"))  # fine-tuning predicted one class only
-            key = PRIMARY.get(task) if all(PRIMARY.get(task) in v for v in per_seed.values()) else \
-                next(iter(next(iter(per_seed.values()), {})), None)
-            values = {s: v.get(key) for s, v in per_seed.items()}
-            m, s = mean_std(list(values.values()))
-            tasks[task] = dict(status="ok", metric=key, per_seed=values, mean=m, std=s, collapsed=collapsed,
-                               all_metrics=per_seed)
-        ok = [t for t in tasks.values() if t["status"] == "ok"]
-        seeds = sorted({s for t in ok for s in t["per_seed"]})
-        per_seed_avg = [sum(t["per_seed"][s] for t in ok) / len(ok) for s in seeds
-                        if ok and all(t["per_seed"].get(s) is not None for t in ok)]
-        m, s = mean_std(per_seed_avg)
-        r["glue"] = dict(tasks=tasks, avg=m, avg_std=s, avg_per_seed=per_seed_avg,
-                         avg_over=[t for t in results["tasks"] if tasks.get(t, {}).get("status") == "ok"],
-                         finetune_s=sum(t.get("time_s") or 0 for t in (report.get("tasks") or {}).values()
-                                        if isinstance(t, dict)))
+        # GLUE, per recipe: per task the primary metric per seed, mean and spread; the average per seed
+        r["glue_by_recipe"] = {recipe: glue_summary(run_dir, recipe, results["tasks"], step) for recipe in recipes}
+        r["glue"] = r["glue_by_recipe"][recipes[0]]
         # representation statistics from analysis.json (keys read with .get: the format may grow)
         stamped = analysis.get("exports") if isinstance(analysis.get("exports"), dict) else {}
         made_from = export_id(run_dir)
@@ -581,29 +678,43 @@ def plot(results, out_dir):
     return written
 
 
-def markdown(results, pngs):
+def glue_rows(runs, label, tasks, recipe):
+    """The GLUE table's rows of one recipe: mean ± std per task, then the Avg."""
+    rows = []
+    for name, r in runs.items():
+        glue = r.get("glue_by_recipe", {recipe: r["glue"]}).get(recipe) or dict(tasks={}, avg=None, avg_over=[])
+        g, over = glue["tasks"], glue["avg_over"]
+        cells = [pm(g[t]["mean"], g[t]["std"]) + " c" * bool(g[t].get("collapsed"))
+                 if g.get(t, {}).get("status") == "ok" else "–" for t in tasks]
+        avg = pm(glue["avg"], glue.get("avg_std")) + \
+            (f" ({len(over)}/{len(tasks)} tasks)" if glue["avg"] is not None and len(over) < len(tasks) else "")
+        rows.append(f"| {label[name]} | {r['steps']} | " + " | ".join(cells) + f" | {avg} |")
+    return rows
+
+
+def markdown(results, pngs, level=1, folder=""):
+    """results.md from collect()'s results; level 2 and more nest its headings in a larger document, whose
+    links to the plots then go through `folder`."""
     runs = results["runs"]
     tasks = results["tasks"]
+    recipes = results.get("recipes") or ["paper"]
+    h = lambda depth: "#" * (level + depth - 1) + " "
     label = {name: name + " (unfinished)" * (not r.get("finished", True)) for name, r in runs.items()}
     metrics = ", ".join(f"{GLUE_DIRS[t]} {METRIC_NAMES[PRIMARY[t]]}" for t in tasks)
-    lines = [f"# Results: scale {results['scale']}", "",
+    capped = f", train sets capped at {results['glue_train_rows']:,} rows" if results.get("glue_train_rows") else ""
+    lines = [f"{h(1)}Results: scale {results['scale']}", "",
              f"Data `{results['data'] or 'train.py default'}`, pretraining seed {results['seed']}; GLUE dev sets, "
-             f"fine-tuning seeds {', '.join(results['seeds'])}: mean ± standard deviation over seeds "
+             f"fine-tuning seeds {', '.join(results['seeds'])}{capped}: mean ± standard deviation over seeds "
              f"(×100; {metrics}). Avg = the mean over these tasks, per seed, then mean ± std; \"(k/n tasks)\": "
              f"over the k tasks scored only. \"c\": some fine-tuning runs predicted one class only "
              f"(eval.py's \"collapsed\"; results.json counts them).", "",
              *(["\"(unfinished)\": the run has not reached its steps (the same command goes on); its GLUE and "
-                "analysis wait for it.", ""] if label != {name: name for name in runs} else []),
-             "## GLUE", "",
-             *table_head("run", "steps", *tasks, "Avg")]
-    for name, r in runs.items():
-        g, over = r["glue"]["tasks"], r["glue"]["avg_over"]
-        cells = [pm(g[t]["mean"], g[t]["std"]) + " c" * bool(g[t].get("collapsed"))
-                 if g.get(t, {}).get("status") == "ok" else "–" for t in tasks]
-        avg = pm(r["glue"]["avg"], r["glue"]["avg_std"]) + \
-            (f" ({len(over)}/{len(tasks)} tasks)" if r["glue"]["avg"] is not None and len(over) < len(tasks) else "")
-        lines.append(f"| {label[name]} | {r['steps']} | " + " | ".join(cells) + f" | {avg} |")
-    lines += ["", "## Pretraining: held-out numbers at the last step, and cost", "",
+                "analysis wait for it.", ""] if label != {name: name for name in runs} else [])]
+    for recipe in recipes:
+        title = "GLUE" if recipes == ["paper"] else f"GLUE, recipe `{recipe}` ({RECIPES.get(recipe, '')})"
+        lines += [f"{h(2)}{title}", "", *table_head("run", "steps", *tasks, "Avg"),
+                  *glue_rows(runs, label, tasks, recipe), ""]
+    lines += [f"{h(2)}Pretraining: held-out numbers at the last step, and cost", "",
               "MLM loss: the main model's (MLM, TACO, TaCL); ELECTRA and COCO-LM train no MLM head on the main "
               "model, so theirs is the generator's, not comparable. \"Own metric\" is the objective's own "
               "held-out number at step 0 → the last step (ELECTRA's disc and COCO-LM's copy loss must end below "
@@ -626,7 +737,7 @@ def markdown(results, pngs):
                      f"{own_cell} | {fmt(f.get('contextual_score'))} | {fmt(r['tokens_per_s'], 0)} | "
                      f"{fmt(r['step_time_vs_mlm'], 2)} | {fmt(r['train_wall_s'], 0)} | {fmt(proc.get('pretrain'), 0)} "
                      f"| {fmt(proc.get('glue'), 0)} |")
-    lines += ["", "## Representations (eval.py --analysis, held-out sentences)", "",
+    lines += ["", f"{h(2)}Representations (eval.py --analysis, held-out sentences)", "",
               *table_head("run", "intra", "inter", "contextual", "L1 intra/inter (<1: contextual)", "L2 intra/inter",
                           "cosine intra/inter (>1: contextual)", "isotropy", "self-sim (last layer)",
                           "WordSim353 20 pairs cos (A.3)", "WordSim353 ρ", "SimLex-999 ρ", "[CLS] gap",
@@ -636,7 +747,8 @@ def markdown(results, pngs):
         lines.append(f"| {label[name]} | " + " | ".join(fmt(a[k]) for k in (
             "intra", "inter", "contextual", "l1_ratio", "l2_ratio", "cos_ratio", "isotropy", "self_similarity_last",
             "wordsim_cooc", "wordsim353_spearman", "simlex999_spearman", "cls_gap", "mean_gap")) + " |")
-    lines += ["", "Plots: " + ", ".join(f"`{p}`" for p in pngs) + "; the analysis plots are in `analysis/`.", ""]
+    lines += ["", "Plots: " + ", ".join(f"[`{p}`]({folder}{p})" for p in pngs) +
+              f"; the analysis plots are in [`{folder}analysis/`]({folder}analysis/).", ""]
     prov = {name: r["provenance"] for name, r in runs.items() if r.get("provenance")}
     if prov:
         lines += ["Provenance (from each log.jsonl): see results.json, `runs.NAME.provenance`.", ""]
@@ -682,9 +794,18 @@ def parse(argv):
     p.add_argument("--tasks", help="GLUE tasks (default: the scale's)")
     p.add_argument("--seeds", help="GLUE fine-tuning seeds (default: the scale's)")
     p.add_argument("--seed", type=int, default=1337, help="pretraining seed, the same for every run")
-    p.add_argument("--only", default="", help=f"comma list of stages ({','.join(STAGES)}) and/or runs "
-                   f"({','.join(SCRATCH + list(CONTINUED))}); default everything. Runs narrow pretraining, "
-                   f"continuation and GLUE; the analysis and the report cover every finished run")
+    p.add_argument("--recipes", help=f"GLUE fine-tuning recipes, eval.py --recipe, comma list from "
+                   f"{','.join(RECIPES)} (default: the scale's)")
+    p.add_argument("--glue_train_rows", type=int, help="GLUE train rows kept per task, eval.py --max_train_samples "
+                   "(default: the scale's)")
+    p.add_argument("--tokenizer", default="", help="train.py --tokenizer for the runs from scratch (default: one "
+                   "trained on --data, cached in --cache_dir)")
+    p.add_argument("--only", default="", help=f"comma list of stages ({','.join(STAGES)}), runs "
+                   f"({','.join(SCRATCH + list(CONTINUED))}) and/or recipes ({','.join(RECIPES)}); default "
+                   f"everything. Runs narrow pretraining, continuation and GLUE, recipes GLUE; the analysis and the "
+                   f"report cover every finished run")
+    p.add_argument("--glue_jobs", type=int, default=1, help="eval.py processes at once in the GLUE stage, one per "
+                   "run and recipe (a small model's fine-tuning leaves a GPU mostly idle)")
     p.add_argument("--nproc_per_node", type=int, default=1, help="processes per pretraining run, through torchrun "
                    "(one per GPU of this node); the tokens per step stay the scale's")
     p.add_argument("--dry_run", action="store_true", help="print the commands, run nothing, write nothing")
@@ -694,11 +815,17 @@ def parse(argv):
     if "RANK" in os.environ:
         p.error("reproduce.py starts its own processes: run it with python, not torchrun, and pass "
                 "--nproc_per_node N to pretrain on N GPUs")
-    for flag in ("steps", "extra_steps", "nproc_per_node"):
+    for flag in ("steps", "extra_steps", "nproc_per_node", "glue_train_rows", "glue_jobs"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             p.error(f"--{flag} {getattr(args, flag)}: must be >= 1")
     args.steps = args.steps or scale["steps"]
     args.extra_steps = args.extra_steps or scale["extra_steps"]
+    args.glue_train_rows = args.glue_train_rows or scale["glue_train_rows"]
+    recipes = (args.recipes or scale["recipes"]).split(",")
+    args.recipes = ",".join(dict.fromkeys(r.strip() for r in recipes if r.strip()))
+    unknown = [r for r in args.recipes.split(",") if r not in RECIPES]
+    if unknown or not args.recipes:
+        p.error(f"--recipes: unknown GLUE recipe {(unknown or [''])[0]!r} (choose from {', '.join(RECIPES)})")
     # eval.py's spelling ("STS-B" -> "stsb"), checked here: a bad name must not cost the pretraining first
     args.tasks = ",".join(dict.fromkeys(t.strip().lower().replace("-", "") for t in
                                         (args.tasks or scale["tasks"]).split(",") if t.strip()))
@@ -718,7 +845,9 @@ def parse(argv):
     if not args.out_dir.strip() or os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
         p.error(f"--out_dir {args.out_dir!r}: must name a directory")
     args.cache_dir = args.cache_dir or os.path.join(args.out_dir, "cache")
-    for name in ("data", "glue_dir", "out_dir", "cache_dir"):  # subprocesses run in this file's folder
+    if args.tokenizer and not os.path.exists(args.tokenizer):
+        p.error(f"--tokenizer {args.tokenizer}: no such file or directory")
+    for name in ("data", "glue_dir", "out_dir", "cache_dir", "tokenizer"):  # subprocesses run in this file's folder
         value = getattr(args, name)
         if value and (os.path.exists(value) or name in ("out_dir", "cache_dir")):
             setattr(args, name, os.path.abspath(value))
@@ -732,14 +861,18 @@ def parse(argv):
     args.runs = [o for o in SCRATCH if o in objectives or (o == "mlm" and "tacl" in objectives)]
     if "tacl" in objectives:
         args.runs += list(CONTINUED)
-    bad = [o for o in only if o not in STAGES + SCRATCH + list(CONTINUED)]
+    bad = [o for o in only if o not in STAGES + SCRATCH + list(CONTINUED) + list(RECIPES)]
     if bad:
-        p.error(f"--only: unknown stage or run {bad[0]!r}")
-    outside = [o for o in only if o not in STAGES and o not in args.runs]
+        p.error(f"--only: unknown stage, run or recipe {bad[0]!r}")
+    outside = [o for o in only if o in SCRATCH + list(CONTINUED) and o not in args.runs]
     if outside:
         p.error(f"--only {outside[0]}: not one of the runs of --objectives {args.objectives} ({', '.join(args.runs)})")
+    outside = [o for o in only if o in RECIPES and o not in args.recipes.split(",")]
+    if outside:
+        p.error(f"--only {outside[0]}: not one of --recipes {args.recipes}")
     args.stages = [s for s in only if s in STAGES] or STAGES
     args.selected = [r for r in args.runs if r in only] or args.runs
+    args.glue_recipes = [r for r in args.recipes.split(",") if r in only] or args.recipes.split(",")
     return args
 
 
@@ -763,8 +896,8 @@ def nproc_problem(args):
 def check_glue_source(args):
     """GLUE's data, looked for before any pretraining: the hub must answer, or --glue_dir hold some task."""
     tasks = args.tasks.split(",")
-    if "glue" not in args.stages or not any(glue_todo(os.path.join(args.out_dir, r), tasks, args.seeds.split(","))
-                                            for r in args.selected):
+    if "glue" not in args.stages or not any(glue_todo(os.path.join(args.out_dir, r), tasks, args.seeds.split(","),
+                                                      recipe) for r in args.selected for recipe in args.glue_recipes):
         return
     if args.glue_dir:
         absent = {t: glue_absent(args.glue_dir, t) for t in tasks}
@@ -784,9 +917,13 @@ def check_settings(args):
     """Every call on an out_dir must mean the same runs: a skipped stage must not pass off another setting's
     output. Settings may change while no run has saved anything (a mistyped --data, say)."""
     settings = dict(scale=args.scale, data=args.data, seed=args.seed, steps=args.steps,
-                    extra_steps=args.extra_steps, tasks=args.tasks, seeds=args.seeds)
+                    extra_steps=args.extra_steps, tasks=args.tasks, seeds=args.seeds, recipes=args.recipes,
+                    glue_train_rows=args.glue_train_rows, tokenizer=args.tokenizer)
     path = os.path.join(args.out_dir, "reproduce.json")
     before = read_json(path)
+    if before is not None:  # written before these settings existed: what the runs were made with then
+        old_rows = {"toy": 64, "cpu": 3000, "mini": 3000}.get(before.get("scale"))
+        before = {"recipes": "paper", "glue_train_rows": old_rows, "tokenizer": "", **before}
     if before is None and os.path.exists(path):  # not a guard to drop: refuse, as for other settings
         args.p.error(f"{path} is unreadable or not a JSON object, so the settings of the runs in --out_dir "
                      f"{args.out_dir} are unknown: restore it, or use another --out_dir")
@@ -802,11 +939,14 @@ def check_settings(args):
         return
     if before is not None:
         changed = ", ".join(f"{k} {before.get(k)!r} -> {v!r}" for k, v in settings.items() if before.get(k) != v)
-        if any(os.path.exists(os.path.join(args.out_dir, r, f)) for r in SCRATCH + list(CONTINUED)
-               for f in ("ckpt.pt", "config.json")):
+        # each recipe's GLUE has its own file, stamped with it: another --recipes passes nothing off
+        only_recipes = all(before.get(k) == v for k, v in settings.items() if k != "recipes")
+        if not only_recipes and any(os.path.exists(os.path.join(args.out_dir, r, f)) for r in SCRATCH + list(CONTINUED)
+                                    for f in ("ckpt.pt", "config.json")):
             args.p.error(f"--out_dir {args.out_dir} holds a reproduction made with other settings ({changed}): use "
                          f"another --out_dir, or the same flags")
-        print(f"note: no run in {args.out_dir} has saved a checkpoint yet: new settings ({changed})")
+        print(f"note: new GLUE recipes ({changed})" if only_recipes else
+              f"note: no run in {args.out_dir} has saved a checkpoint yet: new settings ({changed})")
     if not args.dry_run:
         save_json(settings, path)
 
@@ -841,9 +981,8 @@ def reproduce(args):
     for name in args.selected:
         if "continue" in stages and name in CONTINUED:
             continue_run(args, scale, name)
-    for name in args.selected:
-        if "glue" in stages:
-            glue(args, scale, name)
+    if "glue" in stages:
+        glue(args, scale)
     if "analysis" in stages:
         analyse(args, scale, args.runs)
     if "report" in stages and not args.dry_run:

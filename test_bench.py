@@ -74,6 +74,13 @@ def test_profile_on_cpu_prints_top_ops_and_writes_a_trace(tmp_path, capsys):
     assert (tmp_path / "trace_tiny_mlm.json.gz").stat().st_size > 0
 
 
+def test_profile_objectives_profiles_those_runs_only(tmp_path):
+    results = bench.main(TINY + ["--objectives", "mlm,tacl", "--profile", "--profile_objectives", "mlm",
+                                 "--profile_steps", "1", "--out_dir", str(tmp_path)])
+    assert "profile" in results[0] and "profile" not in results[1]
+    assert [p.name for p in tmp_path.iterdir()] == ["trace_tiny_mlm.json.gz"]
+
+
 def test_gpu_profile_tables_count_each_kernel_once():
     # the CUDA branch, on the event fields torch.profiler's key_averages() gives (no GPU needed)
     from types import SimpleNamespace
@@ -107,6 +114,7 @@ def test_interleave_times_one_step_of_each_run_in_turn(capsys):
 
 @pytest.mark.parametrize("argv", [["--bogus"], ["--objectives", "mlm,nope"], ["--model_size", "huge"],
                                   ["--steps", "0"], ["--gen_shape", "nope"], ["--interleave", "--profile"],
+                                  ["--profile", "--profile_objectives", "mlm,nope"],
                                   ["--dropout", "1"], ["--dropout", "nan"], ["--taco_negatives", "0"], ["--warmup", "-3"],
                                   ["--device", "mps"], ["--json", __file__ + "/x.json"],
                                   ["--json", os.path.dirname(os.path.abspath(__file__))],

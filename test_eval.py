@@ -375,6 +375,11 @@ def test_recipes_match_the_paper(name):
     assert ev.recipe_runs(task, "paper", "base", {"lr": 1e-4})[3]["lr"] == 1e-4  # a flag wins in every run
     (uniform,) = ev.recipe_runs(task, "uniform", "base")
     assert (uniform["lr"], uniform["batch_size"], uniform["epochs"], uniform["precision"]) == (3e-5, 32, 6, "fp32")
+    # ours, for briefly pretrained models: one recipe for every task and size, warm-up 10% of the steps
+    (short,) = ev.recipe_runs(task, "short", "small")
+    assert ev.recipe_runs(task, "short", "base") == [short] and short == dict(table6, **ev.SHORT)
+    total, warmup, _ = ev.schedule_steps(short, 1000, 8551)
+    assert warmup == round(0.1 * total) and short["lr"] > 10 * small["lr"]
 
 
 def test_base_draws_differ_between_tasks_and_cover_the_grid():

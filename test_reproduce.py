@@ -145,7 +145,7 @@ def test_read_log_resumed_run(tmp_path):
 def test_bad_only_is_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "reproduce.py", "--only", "pretrian", "--out_dir", str(tmp_path)],
                           cwd=HERE, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "unknown stage or run 'pretrian'" in proc.stderr
+    assert proc.returncode == 2 and "unknown stage, run or recipe 'pretrian'" in proc.stderr
 
 
 def reproduce_error(argv, tmp_path):
@@ -772,3 +772,38 @@ def test_nproc_per_node_is_checked_with_train_pys_own_batch_rule():
     assert reproduce.nproc_problem(args(2)) is None and reproduce.nproc_problem(args(4)) is None
     problem = reproduce.nproc_problem(args(3))
     assert problem and problem.startswith(("mlm:", "taco:", "tacl:")) and "Traceback" not in problem, problem
+
+
+def test_recipes_are_eval_pys_and_each_has_its_own_glue(tmp_path):
+    import eval
+    assert list(reproduce.RECIPES) == next(a for a in eval.build_parser()._actions if a.dest == "recipe").choices
+    out = repro_dir(tmp_path)  # made before --recipes existed: the paper recipe's
+    make_run(out, "mlm", 20)
+    make_run(out, "taco", 20)
+    # a recipe added to finished runs: its own file, the paper recipe's untouched; two eval.py at a time
+    proc, calls = fake_reproduce(tmp_path, "--objectives", "mlm,taco", "--recipes", "paper,short", "--only",
+                                 "glue,short", "--glue_jobs", "2")
+    assert proc.returncode == 0 and "note: new GLUE recipes" in proc.stdout, proc.stderr
+    assert sorted((c[c.index("--model") + 1], c[c.index("--recipe") + 1]) for c in calls) == [
+        (str(out / "mlm"), "short"), (str(out / "taco"), "short")]
+    assert (out / "mlm.glue_short.out").exists() and not (out / "mlm" / "glue.json").exists()
+    assert json.loads((out / "taco" / "glue_short.json").read_text())["recipe"] == "short"
+    assert reproduce.glue_todo(str(out / "mlm"), ["cola", "stsb"], ["1", "2"], "short") == []
+    assert reproduce.glue_todo(str(out / "mlm"), ["cola", "stsb"], ["1", "2"], "paper") == ["cola", "stsb"]
+    proc, calls = fake_reproduce(tmp_path, "--objectives", "mlm,taco", "--recipes", "paper,short", "--glue_jobs", "2")
+    assert proc.returncode == 0 and [c[c.index("--recipe") + 1] for c in called(calls, "glue")] == ["paper"] * 2
+    text = (out / "results.md").read_text()
+    assert "## GLUE, recipe `paper`" in text and "## GLUE, recipe `short`" in text
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["runs"]["mlm"]["glue_by_recipe"]) == {"paper", "short"}
+    # a GLUE call that fails lets the others finish, then the command fails
+    (out / "mlm" / "glue_short.json").unlink()
+    (out / "taco" / "glue_short.json").unlink()
+    proc, calls = fake_reproduce(tmp_path, "--objectives", "mlm,taco", "--recipes", "paper,short", "--glue_jobs", "2",
+                                 FAKE_GLUE_FAIL_AFTER="1")
+    assert proc.returncode == 1 and proc.stderr.count("failed with exit code 1") == 2, proc.stderr
+    for run in ("mlm", "taco"):  # each kept the task it finished
+        assert json.loads((out / run / "glue_short.json").read_text())["tasks"].keys() == {"cola"}
+    for argv, message in ((["--recipes", "paper,long"], "unknown GLUE recipe 'long'"),
+                          (["--only", "glue,uniform"], "--only uniform: not one of --recipes paper")):
+        assert message in reproduce_error(["--out_dir", str(tmp_path / "other"), *argv], tmp_path)
