@@ -15,6 +15,7 @@ backend (real bf16 rounding: it calibrates their tolerances), and CPU results ar
 """
 import copy
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -230,17 +231,22 @@ def run_all(root, results, live, cancel):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def runs(tmp_path_factory):
+def runs(request, tmp_path_factory):
     """Starts the subprocesses at the module's first test, so that they overlap the in-process tests; calling
-    runs() waits for them and returns (root, {name: (exit status, output)})."""
+    runs() waits for them and returns (root, {name: (exit status, output)}). A selection (-k) of in-process
+    tests only starts none of them (device_run.py's speed chunk runs those alone, on a budget)."""
     root, results, live, cancel = tmp_path_factory.mktemp("runs"), {}, [], threading.Event()
     worker = threading.Thread(target=run_all, args=(root, results, live, cancel), daemon=True)
-    worker.start()
+    wanted = any("runs" in inspect.signature(item.function).parameters
+                 for item in request.session.items if item.module is request.module)
+    if wanted:
+        worker.start()
     yield lambda: worker.join() or (root, results)
     cancel.set()  # a -k selection that read none of them, or an interrupt: stop what still runs
     for proc in list(live):
         proc.kill()
-    worker.join()
+    if wanted:
+        worker.join()
 
 
 def finished(runs, name):  # (root, output) of a run that exited 0
