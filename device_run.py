@@ -15,7 +15,7 @@ runbook: the exact device call of each, then the merge.
 
 What it guarantees:
 - prepare copies what the chunks read (a Wikipedia shard, AB too if it fits; the GLUE TSVs of CoLA, SST-2,
-  MRPC, STS-B, RTE; the wheels the GPU machine lacks) into the git-ignored .repro_data/ and .whl/, trains the
+  MRPC, STS-B, RTE; the wheels the GPU machine lacks) into the git-ignored .repro_data/ (wheels in .repro_data/wheels/), trains the
   mini scale's tokenizer there once (train.py would train the same one on the device), and refuses to leave
   a tree that travels (git-tracked + untracked-not-ignored + shared/ + the carried folders) over 64 MiB;
 - run installs only the carried wheels whose package the machine lacks, checks CUDA before any work, runs
@@ -54,7 +54,8 @@ import time
 import reproduce  # torch-free: this file must run before the wheels are installed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-DATA_DIR, WHEEL_DIR = ".repro_data", ".whl"  # git-ignored, carried to the device machine
+DATA_DIR = ".repro_data"  # git-ignored: the one folder carried to the device machine
+WHEEL_DIR = os.path.join(DATA_DIR, "wheels")  # inside it: what the device lacks
 TRAVEL_LIMIT = 64 * 2**20  # the device tool's limit on the tree it copies
 ARCHIVE_LIMIT = 16 * 2**20  # the largest file that comes back from $OUT
 CORPUS = "data/corpus/enwiki_wikiextractor"  # in the shared folder: AA.txt.xz, AB.txt.xz
@@ -256,7 +257,7 @@ def prepare(args):
         sys.exit(f"error: --shared {args.shared}: no {missing[0]}")
     shards = [p for p in shards if os.path.isfile(p)]
     # the tree once copied: what is there now, less the copies this call rewrites, plus what it copies
-    carried = [DATA_DIR, WHEEL_DIR]
+    carried = [DATA_DIR]
     copies = [os.path.join(wheel_dir, os.path.basename(w)) for w in wheels]
     kept = sum(tree_size(root, carried).values()) - folder_size(os.path.join(data_dir, "corpus")) \
         - folder_size(os.path.join(data_dir, "glue")) - sum(map(os.path.getsize, filter(os.path.isfile, copies)))
@@ -295,7 +296,7 @@ def prepare(args):
               f"out, later chunks train on another corpus than earlier ones (the merge says they are not comparable)")
     if dirty:
         print("note: the checkout has uncommitted changes: chunk.json will say so (commit first, then prepare)")
-    print(f"ready: each chunk's device call carries {DATA_DIR} and {WHEEL_DIR} (docs/gpu_chunks.md)")
+    print(f"ready: each chunk's device call carries {DATA_DIR} (docs/gpu_chunks.md)")
 
 
 def train_tokenizer(corpus_dir, out, vocab_size):

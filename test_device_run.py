@@ -134,11 +134,11 @@ def test_prepare_copies_what_travels_and_drops_ab_when_it_does_not_fit(tmp_path,
     data = repo / device_run.DATA_DIR
     assert sorted(os.listdir(data / "corpus")) == list(device_run.SHARDS)
     assert sorted(os.listdir(data / "glue")) == sorted(device_run.GLUE_TASKS.values())
-    assert (repo / ".whl" / "somepkg-1.0-py3-none-any.whl").is_file() and (data / "tokenizer" / "vocab.txt").is_file()
+    assert (repo / ".repro_data" / "wheels" / "somepkg-1.0-py3-none-any.whl").is_file() and (data / "tokenizer" / "vocab.txt").is_file()
     source = json.loads((data / "source.json").read_text())
     assert source["files"] == ["a.py"] and len(source["commit"]) == 40 and source["dirty"] is False
     # a second prepare with a limit that both shards do not fit under: AB goes, the tokenizer is trained again
-    both = sum(device_run.tree_size(str(repo), [device_run.DATA_DIR, device_run.WHEEL_DIR]).values()) \
+    both = sum(device_run.tree_size(str(repo), [device_run.DATA_DIR]).values()) \
         - device_run.folder_size(str(data / "tokenizer")) + 2 * 2**20  # what prepare counts before copying
     monkeypatch.setattr(device_run, "TRAVEL_LIMIT", both - (data / "corpus" / "AB.txt.xz").stat().st_size // 2)
     stamp = (data / "tokenizer" / "corpus.json").read_text()
