@@ -3,7 +3,7 @@ The GPU experiments as prepared commands, each sized to one borrowed GPU machine
 7 minutes, a bare machine, only the checkout travels, one folder $OUT comes back), and their results merged
 into one report. The algorithm does not need this module: it drives reproduce.py and bench.py.
 
-    python device_run.py prepare --shared ../shared     # here, once: data, tokenizer and wheels into the checkout
+    python device_run.py prepare --shared DIR    # here (DIR holds data/ and wheels/), once: data, tokenizer and wheels into the checkout
     python device_run.py run mlm-taco                   # on the GPU machine, from the checkout, with $OUT set
     python device_run.py merge OUT/*.tar.gz             # here: results/mini/ and results/mini/results.md
     python device_run.py budget                         # each chunk's expected device time, and what it rests on
