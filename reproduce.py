@@ -100,6 +100,9 @@ METRIC_NAMES = {"mcc": "MCC", "acc": "accuracy", "f1": "F1", "spearman": "Spearm
 # each task's folder of TSVs in --glue_dir (glue_tasks.py's Task.dir; test_reproduce.py checks they agree)
 GLUE_DIRS = {"cola": "CoLA", "sst2": "SST-2", "mrpc": "MRPC", "stsb": "STS-B", "rte": "RTE", "qnli": "QNLI",
              "qqp": "QQP", "mnli": "MNLI", "wnli": "WNLI"}
+# the papers' GLUE claims at equal pretraining steps, as (better run, baseline run, who claims it)
+CLAIMS = [("taco", "mlm", "TACO, Fu et al. 2022"), ("cocolm", "electra", "COCO-LM, Meng et al. 2021"),
+          ("tacl", "mlm_cont", "TaCL, Su et al. 2022: against MLM continued for the same steps")]
 # the held-out metric that shows each objective learning on its own terms, and what it beats
 OWN_METRIC = {"mlm": "val_mlm_acc", "taco": "val_tc_loss", "tacl": "val_tacl_acc", "mlm_cont": "val_mlm_acc",
               "cocolm": "val_copy_loss", "electra": "val_disc_loss"}
@@ -692,6 +695,37 @@ def glue_rows(runs, label, tasks, recipe):
     return rows
 
 
+def claim_cell(better, base):
+    """One task's (or the Avg's) difference of means, better minus base, ×100 as the tables, marked by whether
+    the seeds separate the runs: ">" every seed of `better` above every seed of `base`, "<" every one below,
+    "~" the ranges overlap (within seed noise). Fine-tuning seeds are not paired across runs: ranges, not
+    paired differences."""
+    if not better or not base:
+        return "–"
+    diff = sum(better) / len(better) - sum(base) / len(base)
+    mark = ">" if min(better) > max(base) else "<" if max(better) < min(base) else "~"
+    return f"{diff:+.1f} {mark}"
+
+
+def claim_rows(runs, tasks, recipe):
+    """The rows of the claims table for one recipe: one per claimed pair whose runs are both in `runs`."""
+    def seeds(name, task):
+        glue = runs[name].get("glue_by_recipe", {}).get(recipe) or {}
+        t = (glue.get("tasks") or {}).get(task) or {}
+        if task == "Avg":  # per seed, over the same tasks in both runs, or none
+            return glue.get("avg_per_seed") or []
+        return [v for v in (t.get("per_seed") or {}).values() if v is not None] if t.get("status") == "ok" else []
+    rows = []
+    for better, base, who in CLAIMS:
+        if better in runs and base in runs:
+            same_avg = (runs[better].get("glue_by_recipe", {}).get(recipe) or {}).get("avg_over") == \
+                (runs[base].get("glue_by_recipe", {}).get(recipe) or {}).get("avg_over")
+            cells = [claim_cell(seeds(better, t), seeds(base, t)) for t in tasks]
+            cells.append(claim_cell(seeds(better, "Avg"), seeds(base, "Avg")) if same_avg else "–")
+            rows.append(f"| {better} − {base} ({who}) | " + " | ".join(cells) + " |")
+    return rows
+
+
 def markdown(results, pngs, level=1, folder=""):
     """results.md from collect()'s results; level 2 and more nest its headings in a larger document, whose
     links to the plots then go through `folder`."""
@@ -714,6 +748,11 @@ def markdown(results, pngs, level=1, folder=""):
         title = "GLUE" if recipes == ["paper"] else f"GLUE, recipe `{recipe}` ({RECIPES.get(recipe, '')})"
         lines += [f"{h(2)}{title}", "", *table_head("run", "steps", *tasks, "Avg"),
                   *glue_rows(runs, label, tasks, recipe), ""]
+        claims = claim_rows(runs, tasks, recipe)
+        if claims:
+            lines += [f"The papers' claims with this recipe: difference of means (×100), \">\": every seed of the "
+                      f"first run above every seed of the second, \"<\": every one below, \"~\": the seeds' ranges "
+                      f"overlap (within seed noise).", "", *table_head("claim", *tasks, "Avg"), *claims, ""]
     lines += [f"{h(2)}Pretraining: held-out numbers at the last step, and cost", "",
               "MLM loss: the main model's (MLM, TACO, TaCL); ELECTRA and COCO-LM train no MLM head on the main "
               "model, so theirs is the generator's, not comparable. \"Own metric\" is the objective's own "

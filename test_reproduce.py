@@ -748,6 +748,22 @@ def test_results_md_names_each_tasks_metric():
     assert "CoLA MCC, QQP F1, MNLI matched accuracy" in text
 
 
+def test_claims_table_marks_only_differences_the_seeds_separate():
+    def run(sst2, cola):
+        tasks = {"sst2": dict(status="ok", per_seed=dict(zip("123", sst2))),
+                 "cola": dict(status="ok", per_seed=dict(zip("123", cola)))}
+        avg = [(a + b) / 2 for a, b in zip(sst2, cola)]
+        return dict(glue_by_recipe={"short": dict(tasks=tasks, avg_per_seed=avg, avg_over=["sst2", "cola"])})
+    runs = {"mlm": run([70, 71, 72], [1, 5, 3]), "taco": run([73, 74, 75], [2, 0, 4]),
+            "electra": run([60, 61, 62], [0, 0, 0])}  # no cocolm: that claim has no row
+    rows = reproduce.claim_rows(runs, ["sst2", "cola"], "short")
+    assert rows == ["| taco − mlm (TACO, Fu et al. 2022) | +3.0 > | -1.0 ~ | +1.0 ~ |"]
+    runs["taco"]["glue_by_recipe"]["short"]["tasks"]["cola"] = dict(status="failed")  # no scores: no verdict
+    runs["taco"]["glue_by_recipe"]["short"]["avg_over"] = ["sst2"]  # an Avg over other tasks: not comparable
+    assert reproduce.claim_rows(runs, ["sst2", "cola"], "short")[0].endswith("| +3.0 > | – | – |")
+    assert reproduce.claim_cell([1, 2], [3, 4]) == "-2.0 <"
+
+
 def test_data_check_follows_data_py(tmp_path, monkeypatch):
     # reproduce.py checks --data without importing data.py (torch): the same verdict on each kind of input
     import corpus
