@@ -244,39 +244,12 @@ def data_problem(data):
 
 
 def run_cmd(cmd, log_path, dry_run, env=None, timed=None):
-    """One subprocess, its output teed into log_path; exits with its code if it fails. Ctrl-C and
-    SIGTERM are passed on to it (train.py then saves its step) and this process waits for it: dying
-    first would break its output pipe and kill it before it saved. timed=(run_dir, stage): its
-    wall-clock is added to the run's reproduce_time.json, a stopped or failed call's too."""
-    print("$ " + " ".join(cmd), flush=True)
+    """One subprocess (run_parallel with one call), its output teed into log_path; exits with its code if it
+    fails. timed=(run_dir, stage): its wall-clock is added to the run's reproduce_time.json."""
     if dry_run:
+        print("$ " + " ".join(cmd), flush=True)
         return
-    t0, stop = time.time(), []
-    with open(log_path, "a") as log:
-        proc = spawn(cmd, env)
-
-        def forward(signum, frame):
-            stop.append(signum)
-            proc.send_signal(signum)
-        # POSIX only: Windows cannot send SIGINT to a child, and its SIGTERM is a kill that saves nothing
-        handlers = {} if os.name == "nt" else {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            for line in proc.stdout:
-                sys.stdout.write(line)
-                log.write(line)
-            code = proc.wait()
-        finally:
-            for s, handler in handlers.items():
-                signal.signal(s, handler)
-            if timed:
-                note_time(*timed, time.time() - t0)
-    if stop:
-        script = next((c for c in cmd if c.endswith(".py")), cmd[0])
-        print(f"reproduce.py: stopped by {signal.Signals(stop[0]).name} ({script} exited {code}); rerun the "
-              f"same command to go on", file=sys.stderr)
-        sys.exit(128 + stop[0])
-    if code:
-        sys.exit(f"error: `{' '.join(cmd)}` failed with exit code {code} (output in {log_path})")
+    run_parallel([(cmd, log_path, timed, lambda: None)], 1, env)
 
 
 def spawn(cmd, env):
@@ -287,26 +260,32 @@ def spawn(cmd, env):
 
 
 def run_parallel(calls, jobs, env):
-    """run_cmd for several subprocesses, at most `jobs` at a time: calls are (cmd, log_path, timed, then), then()
-    runs when its call ends, whatever its exit code. Each line is teed into its call's log and printed with the
-    log's name in front. A signal is passed on to every running call, no new one starts, and this process exits
-    once they have; a failed call lets the others finish, then this process exits with an error."""
+    """Subprocesses, at most `jobs` at a time: calls are (cmd, log_path, timed, then), then() runs when its call
+    ends, whatever its exit code; timed=(run_dir, stage) or None: the call's wall-clock is added to the run's
+    reproduce_time.json, a stopped or failed call's too. Each line is teed into its call's log and printed
+    (with the log's name in front when several calls run). Ctrl-C and SIGTERM are passed on to every running
+    call (train.py then saves its step), no new one starts, and this process waits for them before it exits:
+    dying first would break their output pipes and kill them before they saved. A failed call lets the others
+    finish, then this process exits with an error."""
     import threading
     pending, running, failed, stop, lock = list(calls), {}, [], [], threading.Lock()
+    tag = len(calls) > 1
 
     def tee(proc, log_path, prefix):
         with open(log_path, "a") as log:
             for line in proc.stdout:
                 log.write(line)
                 with lock:
-                    sys.stdout.write(f"[{prefix}] {line}")
+                    sys.stdout.write(f"[{prefix}] {line}" if tag else line)
                     sys.stdout.flush()
 
     def forward(signum, frame):
         stop.append(signum)
         for proc in running:
             proc.send_signal(signum)
+    # POSIX only: Windows cannot send SIGINT to a child, and its SIGTERM is a kill that saves nothing
     handlers = {} if os.name == "nt" else {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    ended = []
     try:
         while running or pending and not stop:
             while pending and len(running) < jobs and not stop:
@@ -320,15 +299,18 @@ def run_parallel(calls, jobs, env):
             for proc in [p for p in running if p.poll() is not None]:
                 cmd, log_path, timed, then, reader, t0 = running.pop(proc)
                 reader.join()
-                note_time(*timed, time.time() - t0)
+                if timed:
+                    note_time(*timed, time.time() - t0)
                 then()
+                ended.append((cmd, proc.returncode))
                 if proc.returncode and not stop:
                     failed.append(f"`{' '.join(cmd)}` failed with exit code {proc.returncode} (output in {log_path})")
     finally:
         for s, handler in handlers.items():
             signal.signal(s, handler)
     if stop:
-        print(f"reproduce.py: stopped by {signal.Signals(stop[0]).name}; rerun the same command to go on",
+        codes = ", ".join(f"{next((c for c in cmd if c.endswith('.py')), cmd[0])} exited {code}" for cmd, code in ended)
+        print(f"reproduce.py: stopped by {signal.Signals(stop[0]).name} ({codes}); rerun the same command to go on",
               file=sys.stderr)
         sys.exit(128 + stop[0])
     if failed:

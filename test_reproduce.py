@@ -68,7 +68,9 @@ def test_toy_end_to_end(tmp_path):
     for line in text.splitlines():
         tables[-1].append(line) if line.startswith("|") else tables.append([])
     tables = [t for t in tables if t]
-    assert len(tables) == 3  # GLUE, pretraining, representations
+    assert len(tables) == 4  # GLUE, the claims (tacl against mlm_cont: cocolm is not run), pretraining, representations
+    assert [row.split(" | ")[0] for row in tables[1][2:]] == ["| tacl − mlm_cont (TaCL, Su et al. 2022: against MLM "
+                                                               "continued for the same steps)"]
     for t in tables:  # header, delimiter and rows with one column count, or markdown does not render the table
         assert t[1].startswith("|---") and len({row.count("|") for row in t}) == 1, t[:2]
     runs = ["mlm", "electra", "tacl", "mlm_cont"]
