@@ -13,6 +13,7 @@ import torch
 
 import datasets
 import eval as ev
+import glue_scores as gs
 import glue_tasks
 from model import Bert, BertConfig
 
@@ -62,27 +63,27 @@ def ref_ranks(x):  # average rank of ties, by a naive loop
 def test_metrics_match_references(seed):
     rng = np.random.default_rng(seed)
     y, p = rng.integers(0, 2, 60), rng.integers(0, 2, 60)
-    assert ev.matthews_corr(y, p) == pytest.approx(ref_mcc(y, p))
-    assert ev.f1_binary(y, p) == pytest.approx(ref_f1(y, p))
-    assert ev.accuracy(y, p) == pytest.approx(np.mean([a == b for a, b in zip(y, p)]))
+    assert gs.matthews_corr(y, p) == pytest.approx(ref_mcc(y, p))
+    assert gs.f1_binary(y, p) == pytest.approx(ref_f1(y, p))
+    assert gs.accuracy(y, p) == pytest.approx(np.mean([a == b for a, b in zip(y, p)]))
     x, z = rng.normal(size=50), rng.normal(size=50)
-    assert ev.pearson(x, z) == pytest.approx(ref_pearson(x, z))
+    assert gs.pearson(x, z) == pytest.approx(ref_pearson(x, z))
     xt, zt = rng.integers(0, 6, 50).astype(float), np.round(rng.uniform(0, 5, 50), 0)  # many ties
-    assert list(ev.average_ranks(xt)) == pytest.approx(ref_ranks(list(xt)))
-    assert ev.spearman(xt, zt) == pytest.approx(ref_pearson(ref_ranks(list(xt)), ref_ranks(list(zt))))
+    assert list(gs.average_ranks(xt)) == pytest.approx(ref_ranks(list(xt)))
+    assert gs.spearman(xt, zt) == pytest.approx(ref_pearson(ref_ranks(list(xt)), ref_ranks(list(zt))))
 
 
 def test_metric_edge_cases():
-    assert ev.matthews_corr(np.array([1, 1, 0]), np.array([1, 1, 1])) == 0.0  # one predicted class: 0, as sklearn
-    assert ev.matthews_corr(np.array([0, 1, 2, 2]), np.array([0, 1, 2, 2])) == pytest.approx(1.0)  # multiclass
-    assert ev.f1_binary(np.array([0, 0]), np.array([0, 0])) == 0.0
-    assert ev.pearson([1.0, 2.0, 3.0], [2.0, 2.0, 2.0]) == 0.0  # constant prediction
-    assert ev.score("corr", [1.0, 2.0, 3.0], [1.0, 2.0, 4.0])["spearman"] == pytest.approx(100.0)
-    assert ev.score("f1_acc", [1, 0], [1, 1]) == pytest.approx({"f1": 100 * 2 / 3, "acc": 50.0})
+    assert gs.matthews_corr(np.array([1, 1, 0]), np.array([1, 1, 1])) == 0.0  # one predicted class: 0, as sklearn
+    assert gs.matthews_corr(np.array([0, 1, 2, 2]), np.array([0, 1, 2, 2])) == pytest.approx(1.0)  # multiclass
+    assert gs.f1_binary(np.array([0, 0]), np.array([0, 0])) == 0.0
+    assert gs.pearson([1.0, 2.0, 3.0], [2.0, 2.0, 2.0]) == 0.0  # constant prediction
+    assert gs.score("corr", [1.0, 2.0, 3.0], [1.0, 2.0, 4.0])["spearman"] == pytest.approx(100.0)
+    assert gs.score("f1_acc", [1, 0], [1, 1]) == pytest.approx({"f1": 100 * 2 / 3, "acc": 50.0})
     # a diverged regression (NaN predictions) correlates with nothing: ranking NaNs made up a Spearman
     nan = float("nan")
     for preds in ([nan] * 4, [0.5, nan, 3.0, nan]):
-        assert ev.score("corr", [0.5, 3.2, 1.0, 4.8], preds) == {"pearson": 0.0, "spearman": 0.0}
+        assert gs.score("corr", [0.5, 3.2, 1.0, 4.8], preds) == {"pearson": 0.0, "spearman": 0.0}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -417,7 +418,7 @@ def fake_report(tasks, runs=1, collapsed=()):
 def test_table_averages_like_for_like():
     report = fake_report({"mnli": {"acc_m": 70.0, "acc_mm": 80.0}, "rte": {"acc": 60.0},
                           "stsb": {"pearson": 0.0, "spearman": 0.0}}, collapsed=("stsb",))
-    table = ev.glue_table(report, compare=True)
+    table = gs.glue_table(report, compare=True)
     ours = next(line for line in table.split("\n") if line.startswith("| m ("))
     # Tab. 1 way: MNLI-m, -mm, STS-B, RTE; Tab. 3 way: MNLI-m, STS-B, RTE
     assert ours.endswith(f"| {np.mean([70, 80, 0, 60]):.1f} | {np.mean([70, 0, 60]):.1f} |")
