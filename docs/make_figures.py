@@ -25,8 +25,7 @@ def main():
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     for name, (label, color) in RUNS.items():
         ax.plot(*curve(runs[name], "contextual_score"), marker="o", ms=3, label=label, color=color)
-    # The held-out MLM loss is left out on purpose: these runs were scored on their own masks (fidelity note 26),
-    # so their loss curves do not compare (docs/reproduction.md gives them on common masks).
+    # The held-out MLM loss is left out: ELECTRA's and COCO-LM's main models have no MLM head to score.
     ax.set(xlabel="training step", ylabel="contextual score (held-out)",
            title="Token states that know their own sequence: TACO vs MLM, ELECTRA, COCO-LM")
     ax.title.set_fontsize(10)
