@@ -691,17 +691,17 @@ def claim_cell(better, base):
 
 def claim_rows(runs, tasks, recipe):
     """The rows of the claims table for one recipe: one per claimed pair whose runs are both in `runs`."""
+    glue = {name: r.get("glue_by_recipe", {}).get(recipe) or {} for name, r in runs.items()}
+
     def seeds(name, task):
-        glue = runs[name].get("glue_by_recipe", {}).get(recipe) or {}
-        t = (glue.get("tasks") or {}).get(task) or {}
         if task == "Avg":  # per seed, over the same tasks in both runs, or none
-            return glue.get("avg_per_seed") or []
+            return glue[name].get("avg_per_seed") or []
+        t = (glue[name].get("tasks") or {}).get(task) or {}
         return [v for v in (t.get("per_seed") or {}).values() if v is not None] if t.get("status") == "ok" else []
     rows = []
     for better, base, who in CLAIMS:
         if better in runs and base in runs:
-            same_avg = (runs[better].get("glue_by_recipe", {}).get(recipe) or {}).get("avg_over") == \
-                (runs[base].get("glue_by_recipe", {}).get(recipe) or {}).get("avg_over")
+            same_avg = glue[better].get("avg_over") == glue[base].get("avg_over")
             cells = [claim_cell(seeds(better, t), seeds(base, t)) for t in tasks]
             cells.append(claim_cell(seeds(better, "Avg"), seeds(base, "Avg")) if same_avg else "–")
             rows.append(f"| {better} − {base} ({who}) | " + " | ".join(cells) + " |")
