@@ -69,7 +69,7 @@ GRACE = 20  # seconds a stopped stage gets to save and exit before it is killed
 
 # Each chunk: the runs reproduce.py makes (--objectives), then its stages in order. A stage is reproduce.py
 # --only ..., or a command of its own (speed); "optional": started only when its estimate fits the time left.
-# GLUE's two recipes run in one stage, four eval.py at a time (run x recipe): fine-tuning a 4-layer model
+# GLUE runs in one stage, four eval.py at a time (run x recipe): fine-tuning a 4-layer model
 # leaves the GPU mostly idle. The analysis comes before GLUE: it is cheap and carries TACO's Table 9 claim.
 CHUNKS = {
     "mlm-taco": dict(title="MLM against TACO at equal steps", objectives="mlm,taco", stages=[
@@ -864,7 +864,8 @@ def main(argv=None):
     r.add_argument("--steps", type=int, help=f"pretraining steps (default {STEPS}; toy {TOY_STEPS})")
     r.add_argument("--extra_steps", type=int, help=f"TaCL / MLM-control steps (default {EXTRA_STEPS}; toy "
                    f"{TOY_EXTRA_STEPS})")
-    r.add_argument("--recipes", default="paper,short", help="GLUE recipes (eval.py --recipe)")
+    r.add_argument("--recipes", default=reproduce.SCALES["mini"]["recipes"], help="GLUE recipes, comma-separated "
+                   "(eval.py --recipe; default the mini scale's: %(default)s)")
     r.add_argument("--glue_train_rows", type=int, help="GLUE train rows kept per task (default: the chunk's, else the "
                    f"mini scale's {reproduce.SCALES['mini']['glue_train_rows']:,}; --toy: the toy scale's 64)")
     r.add_argument("--data", help=f"pretraining text (default {DATA_DIR}/corpus; --toy: the bundled sample)")
