@@ -69,7 +69,7 @@ GRACE = 20  # seconds a stopped stage gets to save and exit before it is killed
 
 # Each chunk: the runs reproduce.py makes (--objectives), then its stages in order. A stage is reproduce.py
 # --only ..., or a command of its own (speed); "optional": started only when its estimate fits the time left.
-# GLUE runs in one stage, four eval.py at a time (run x recipe): fine-tuning a 4-layer model
+# GLUE runs in one stage, up to four eval.py at a time (run x recipe): fine-tuning a 4-layer model
 # leaves the GPU mostly idle. The analysis comes before GLUE: it is cheap and carries TACO's Table 9 claim.
 CHUNKS = {
     "mlm-taco": dict(title="MLM against TACO at equal steps", objectives="mlm,taco", stages=[
