@@ -58,7 +58,7 @@ class TrainConfig:
     taco_weight: float = 1.0  # lambda in L_MLM + lambda * L_TC (TACO Eq. 11)
     taco_anchors: str = "all"  # all non-pad positions (official default) | masked ("concentrated TACO", §5.2)
     taco_stop_grad: bool = True  # detach positives/negatives (official code); False = our ablation, not the paper's
-    negative_pool: int = 0  # sequences sharing one pool of negatives (TACO rows, COCO-LM NT-Xent); 0 = the per-process micro-batch
+    negative_pool: int = 0  # sequences sharing one pool of negatives (TACO rows, COCO-LM NT-Xent); 0 = the per-process micro-batch (fidelity note 4)
     tacl_temperature: float = 0.01  # tau (TaCL §3, official scripts)
     gen_shape: str = "cocolm"  # generator: cocolm = same width, max(1, round(L/3)) layers (COCO-LM §4) | electra = full depth, 1/4 width (1/3 for base) (ELECTRA Table 6)
     gen_layers: int = 0  # generator depth; 0 = the gen_shape's own
@@ -66,7 +66,7 @@ class TrainConfig:
     cocolm_scl_temperature: float = 1.0  # tau of the SCL NT-Xent (COCO-LM §4)
     cocolm_crop_fraction: float = 0.9  # share of tokens kept in SCL's cropped view (COCO-LM §3.2)
     cocolm_mask_all: bool = False  # generator input: every selected token -> [MASK] (MC-BERT's default) instead of BERT's 80/10/10 (ours)
-    electra_disc_weight: float = 50.0  # lambda on the discriminator loss (ELECTRA §2)
+    electra_disc_weight: float = 50.0  # lambda on the discriminator loss (ELECTRA §2; the value: App. A)
     # system
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
     dtype: str = "auto"  # auto (bf16 on GPUs that have it, else fp16 with a GradScaler; fp32 on CPU) | fp32 | bf16 | fp16
@@ -83,7 +83,7 @@ class TrainConfig:
 # small / base are TACO's Table 5 (App. A), the pretraining recipe of both MLM and TACO. The official
 # scripts differ (256 sequences x 4 accumulation x 2 GPUs = 2,048 per step); we follow the paper.
 # Deviations: bf16 where the paper has fp16; our own 30,522-piece WordPiece, not bert-base-uncased's.
-# COCO-LM and ELECTRA get this recipe too, so that all objectives compare on one (not their papers' own).
+# COCO-LM and ELECTRA get this recipe too, so that all objectives compare on one (not their papers' own). Fidelity note 1.
 PAPER_RECIPE = dict(seq_len=256, vocab_size=30522, tokens_per_step=1280 * 256, lr=1e-4, beta2=0.999, adam_eps=1e-8,
                     weight_decay=0.01, grad_clip=1.0, dropout=0.1, mask_prob=0.15, data=HUB_CORPUS,
                     batch_size=80, negative_pool=80, log_interval=100, eval_batches=20)

@@ -39,7 +39,7 @@ from corpus import SAMPLE_CORPUS
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 # The papers pretrain on English Wikipedia + BookCorpus; BookCorpus is no longer openly
-# distributed, so the hub default is English Wikipedia alone ("name:config" for load_dataset).
+# distributed, so the hub default is English Wikipedia alone ("name:config" for load_dataset; fidelity note 2).
 HUB_CORPUS = "wikimedia/wikipedia:20231101.en"
 DEFAULT_DATA = SAMPLE_CORPUS  # WikiText-2's test split in assets/: smoke runs and tests need no network
 VAL_MIN_TOKENS = 16384

@@ -130,7 +130,7 @@ def mlm_loss(model, h, input_ids, positions, labels, attention_mask=None, predic
     if predict_all:
         selected = torch.zeros_like(input_ids, dtype=torch.bool).scatter(1, positions, labels != -100)  # (B, T)
         targets = input_ids.masked_fill(selected | ~eligible_positions(input_ids, model.config, attention_mask), -100)
-        # our reading of §5.2 (its weighting is not in the official code): a second mean CE, added
+        # our reading of §5.2 (its weighting is not in the official code): a second mean CE, added (fidelity note 12)
         tp_loss = cross_entropy(model.mlm_logits(h.flatten(0, 1)), targets.flatten())
         metrics["tp_loss"] = tp_loss.detach()
         loss = loss + tp_loss
@@ -151,8 +151,9 @@ def pool_size(negative_pool, batch_size, minimum=1):
     """Rows that share one pool of negatives (TACO) or one NT-Xent batch (COCO-LM's SCL): groups of
     negative_pool consecutive rows of the per-process micro-batch; 0 = the whole micro-batch (the official
     codes). A fixed pool makes the objective the same on 1 or 16 GPUs and with any gradient accumulation.
-    TACO needs a `minimum` of 2 rows (its negatives come from the other rows); COCO-LM's NT-Xent runs on
-    one (its two views). This and pool_problem are the pool's one rule: config.py asks them."""
+    TACO needs a `minimum` of 2 rows (its negatives come from the other rows); COCO-LM's NT-Xent computes on
+    one (its two views, no negative: loss 0), which pool_problem refuses before a run as it does TACO's.
+    This and pool_problem are the pool's one rule: config.py asks them."""
     if negative_pool < 0 or (negative_pool and batch_size % negative_pool):
         raise ValueError(f"negative_pool {negative_pool} must divide the per-process batch size {batch_size} "
                          f"(0 = the whole micro-batch)")
@@ -206,7 +207,7 @@ def taco_samples(valid, window, num_negatives, rng, pool=0):
     non-pad position of the row (none in a one-token row: TACO drops its anchor). Negatives: a row
     uniform among the other P-1 rows of the anchor's pool (P = pool consecutive rows, 0 = all B rows),
     then a position uniform among that row's non-pad positions (with replacement)."""
-    # (the official sampler assumes unpadded rows: its columns are uniform over all T positions)
+    # (the official sampler assumes unpadded rows: its columns are uniform over all T positions; fidelity note 10)
     B, T = valid.shape
     device = valid.device
     count = valid.sum(1)  # (B,) non-pad positions per row
@@ -277,7 +278,7 @@ class TACO(nn.Module):
         corrupted, positions, labels = mask_tokens(x, model.config, rng, self.mask_prob, attention_mask=attention_mask)
         h, emb = model(corrupted, attention_mask=attention_mask, return_embeddings=True)
         loss, metrics = mlm_loss(model, h, x, positions, labels, attention_mask, self.predict_all)
-        # Eq. 3, 9, 10: global semantics g = h - e, out of place (the official in-place -= fails in fp32)
+        # Eq. 3, 9, 10: global semantics g = h - e, out of place: the official in-place -= fails in fp32 (note 9)
         g = F.normalize(h - emb, dim=-1)  # (B, T, D)
         if self.anchors == "all":
             anchors = valid
@@ -287,14 +288,15 @@ class TACO(nn.Module):
         # draw one positive and K negatives per position; stop-gradient on both unless taco_stop_grad is off
         positive, negatives = taco_samples(valid, self.window, self.num_negatives, rng, pool)
         keys = (g.detach() if self.stop_grad else g).flatten(0, 1)  # (B*T, D), in g's dtype; upcast per chunk
-        with torch.autocast(x.device.type, enabled=False):  # fp32: bf16 cosines / tau lose ~2 digits
+        with torch.autocast(x.device.type, enabled=False):  # fp32: bf16 cosines / tau lose ~2 digits (fidelity note 11)
             g = upcast(g)
             pos_cos = (g * upcast(keys[positive])).sum(-1)  # (B, T)
             # = (g[:, :, None] * keys[negatives]).sum(-1), without that (B, T, K, D) tensor (3.4 GB at b256 s128)
             neg_cos = NegativeDots.apply(g, keys, negatives, self.fused_scoring and g.is_cuda)  # (B, T, K)
             # Eq. 7: f = cos / tau; Eq. 6: InfoNCE with the positive at index 0 (the paper prints it without exp)
             logits = torch.cat([pos_cos[..., None], neg_cos], dim=-1) / self.temperature
-            # Eq. 8, as the official code: a mean over all anchors (the paper: per sequence, then over sequences)
+            # Eq. 8, as the official code: a mean over all anchors (the paper: per sequence, then over sequences;
+            # fidelity note 25)
             tc_loss = masked_mean(torch.logsumexp(logits, -1) - logits[..., 0], anchors)
         metrics.update(tc_loss=tc_loss.detach(), pos_cos=masked_mean(pos_cos, anchors).detach(),
                        neg_cos=masked_mean(neg_cos.mean(-1), anchors).detach())
@@ -306,7 +308,7 @@ class TaCL(nn.Module):
     continual pretraining from --init_from.
 
     Student = the model on the masked input x~; teacher = a frozen copy of the starting weights
-    on the original x (no grad, eval mode, bf16 on CUDA). For every masked position i (all 15%):
+    on the original x (no grad, eval mode, bf16 on GPUs with native bf16). For every masked position i (all 15%):
     s_ij = cos(student_i, teacher_j) / tau over the positions j of the same row, padding columns
     excluded; L_tc = mean over i of -log softmax_j(s_ij)[i]. L = L_MLM + L_tc (no NSP).
     """
@@ -347,7 +349,7 @@ class TaCL(nn.Module):
             student = F.normalize(upcast(gather_positions(h, positions)), dim=-1).view(B, -1, h.size(-1))  # (B, K, D)
             teacher = F.normalize(upcast(teacher_hidden), dim=-1).to(student.dtype)  # (B, T, D)
             scores = torch.einsum("bkd,btd->bkt", student, teacher) / self.temperature
-            # padding columns leave the softmax (official code keeps them; packed batches have none)
+            # padding columns leave the softmax (official code keeps them; packed batches have none; fidelity note 14)
             scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
             # the positive is the teacher's own position i
             targets = positions.masked_fill(labels == -100, -100).flatten()
@@ -391,7 +393,8 @@ class Generator(nn.Module):
     layer maps back to D (dense -> GELU -> LayerNorm at D) for the tied decoder.
     mask_frac / random_frac: the [MASK] / random split of mask_tokens (COCO-LM 0.8 / 0.1, ELECTRA 0.85 / 0).
     sample_dropout_off: sample from a second, dropout-off forward (COCO-LM's choice); otherwise
-    sample from the training logits (official ELECTRA: one forward, stop_gradient on the samples)."""
+    sample from the training logits (official ELECTRA: one forward, stop_gradient on the samples)
+    (fidelity notes 16, 18)."""
 
     def __init__(self, config, cfg, mask_frac, random_frac, sample_dropout_off):
         super().__init__()
@@ -439,7 +442,7 @@ def crop_views(input_ids, config, rng, fraction=0.9, attention_mask=None):
     between each row's [CLS] and final [SEP] (rows are [CLS] ... [SEP] then right padding),
     re-wrapped as [CLS] crop [SEP] and padded (attention mask 0) to T. Returns (ids, mask).
     Unpadded batches crop every row to the same length, so they are cut to that length
-    instead, with no mask: the same [CLS] output, and SDPA keeps its flash kernel."""
+    instead, with no mask: the same [CLS] output, and SDPA keeps its flash kernel (fidelity note 17)."""
     B, T = input_ids.shape
     inner = non_pad(input_ids, attention_mask).sum(1) - 2  # (B,) tokens between [CLS] and [SEP]
     keep = (inner.double() * fraction).round().long()
@@ -501,8 +504,8 @@ def auc(logits, targets, mask):
 def detector_metrics(name, logit, replaced, input_ids, config, attention_mask, training):
     """COCO-LM's copy and ELECTRA's discriminator logs, with replaced = positive: accuracy, the trivial BCE
     of predicting the replaced rate, and (held-out only: a sort of B*T scores) the AUC over the maskable
-    tokens. [CLS]/[SEP] are never replaced: the official disc_auc counts them, which credits a detector
-    for knowing that alone."""
+    tokens. Special tokens are never replaced: the official disc_auc counts them, which credits a detector
+    for knowing that alone (fidelity note 20)."""
     valid = non_pad(input_ids, attention_mask)
     metrics = {f"{name}_acc": masked_mean((logit > 0) == replaced, valid).detach(),
                f"{name}_trivial": binary_entropy(masked_mean(replaced, valid)).detach()}
@@ -521,7 +524,7 @@ class COCOLM(nn.Module):
        original": L_copy = mean BCE over non-pad positions, orig_i = 1[x^MLM_i = x_i].
     3. LM head = tied embeddings + bias, no transform, on M: L_LM = mean over M of
        -log(orig_i sg(p_copy(1|h_i)) + sg(p_copy(0|h_i)) softmax(LM(h_i))[x_i]), sg = stop-gradient.
-       (The authors' issue-#2 skeleton instead weights a plain CE by sg(p_copy(0|h)).)
+       (The authors' issue-#2 skeleton instead weights a plain CE by sg(p_copy(0|h)); fidelity note 15.)
     4. SCL: x^MLM and a 90% contiguous crop of x, [CLS] through dense -> GELU -> LayerNorm,
        NT-Xent over the 2B views at tau = 1: L_SCL. With negative_pool P > 0, over the 2P views of
        each group of P consecutive rows instead (a batch size that does not depend on the GPU count).
