@@ -13,7 +13,7 @@ computed the same way for every model given, so objectives can be compared side 
 - TaCL (Su et al. 2022): layer-wise self-similarity (mean pairwise cosine of the tokens of
   one sentence, [CLS]/[SEP] excluded) and a token x token cosine heatmap.
 - COCO-LM (Meng et al. 2021, Fig. 1): cosine of [CLS] and of mean-pooled sentence vectors
-  for random pairs of held-out sentences vs STS-B validation pairs scored 5.0 (top score).
+  for random pairs of held-out sentences vs STS-B validation pairs scored 5.0 (top score; fidelity note 24).
 - Word embeddings: Spearman correlation with WordSim353 / SimLex-999 human scores;
   isotropy: mean cosine of random token pairs across the corpus (Ethayarajh 2019).
 
@@ -50,7 +50,7 @@ WORDSIM353 = os.path.join(ASSETS, "wordsim353", "combined.csv")
 SIMLEX999 = os.path.join(ASSETS, "simlex999", "simlex999.txt")
 # TACO App. A.3: "20 randomly sampled pairs of frequently co-occurrent words" of WordSim353. The
 # paper names no criterion; we read "frequently co-occurring" as strongly related (human score
-# >= 7.5 of 10: 91 distinct pairs, e.g. money/bank 8.5) and draw the 20 with a fixed seed.
+# >= 7.5 of 10: 91 distinct pairs, e.g. money/bank 8.5) and draw the 20 with a fixed seed (fidelity note 23).
 COOC_PAIRS, COOC_MIN_SCORE, COOC_SEED = 20, 7.5, 0
 ENCODE_BATCH = 64  # sentences per forward pass; memory is dominated by all_layers=True
 RANDOM_SENTENCE_PAIRS = 1000  # COCO-LM Fig. 1's random pairs, drawn from the held-out sentences
@@ -117,7 +117,7 @@ def context_similarity(hidden, context_id, rng, ratios=True):
     measure(token, inter partner), a ratio of means as the paper computes "statistics, then
     the ratio" (a mean of per-token ratios would explode where an inter cosine is near 0).
     All five use the same partners. A similarity ratio whose inter mean is <= 0 is NaN: its
-    sign would flip the reading (> 1 = contextual). Only tokens with both partners count."""
+    sign would flip the reading (> 1 = contextual). Only tokens with both partners count (fidelity note 22)."""
     intra, inter = sample_context_partners(context_id, rng)
     keep = (intra >= 0) & (inter >= 0)
     names = ["intra", "inter", "contextual"] + ([f"{m}_{s}" for m in TABLE9_MEASURES

@@ -184,7 +184,7 @@ def pool_problem(cfg, pool):
 
 
 class MLM(nn.Module):
-    """Masked language modelling (Devlin et al., 2019; RoBERTa's dynamic masking, no NSP):
+    """Masked language modelling (Devlin et al., 2019; RoBERTa's dynamic masking, no NSP: fidelity note 5):
     L_MLM = mean over the selected 15% of CE(head(h_i), x_i). Nothing is detached."""
 
     def __init__(self, model, cfg):
