@@ -370,6 +370,8 @@ FIXED_ON_RESUME = ("objective", "model_size", "seq_len", "vocab_size", "data", "
 def resume_config(cfg, given):
     """(config, checkpoint) of --resume: the checkpoint's config with the flags given now on top."""
     path = os.path.join(cfg.resume, "ckpt.pt") if os.path.isdir(cfg.resume) else cfg.resume
+    if not os.path.exists(cfg.resume):
+        raise ValueError(f"--resume {cfg.resume}: no such run directory or checkpoint file")
     if not os.path.isfile(path):
         raise ValueError(f"--resume {cfg.resume}: no checkpoint there (a run stopped before its first save: "
                          f"run its original command again)")

@@ -368,6 +368,16 @@ def test_kill_between_export_and_checkpoint_leaves_a_loadable_run(corpus, cache,
     assert exported.keys() == trained.keys() and all(torch.equal(exported[k], v) for k, v in trained.items())
 
 
+def test_resume_of_a_missing_path_and_of_a_run_with_no_checkpoint_say_which(tmp_path, capsys):
+    code, _, err = run_main(["--resume", tmp_path / "typo"], capsys)
+    assert code == 2 and not (tmp_path / "typo").exists()
+    one_error(err, "no such run directory")
+    (tmp_path / "early").mkdir()  # a run killed before its first save leaves a directory with no ckpt.pt
+    code, _, err = run_main(["--resume", tmp_path / "early"], capsys)
+    assert code == 2
+    one_error(err, "no checkpoint there", "run its original command again")
+
+
 def test_resume_into_another_out_dir_and_a_busy_out_dir_are_refused(corpus, cache, tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert run_main(flags(corpus, cache, run_dir, max_steps=5, ckpt_interval=5), capsys)[0] == 0

@@ -313,6 +313,8 @@ def test_scale_flags_are_a_valid_run(scale, objective, tmp_path):
     import config
     import train
     extra = ["--init_from", str(tmp_path)] if objective == "tacl" else []  # validate() checks it exists
+    # a fresh --out_dir: validate() refuses one that holds a run, as ./out/smoke does after the quick start
+    extra += ["--out_dir", str(tmp_path / "run")]
     cfg, _ = config.parse_args(["--objective", objective, *reproduce.SCALES[scale]["train"], *extra])
     cfg.device = "cpu"  # validate() checks the device exists; the GPU scale's flags leave it at auto
     config.validate(cfg)
