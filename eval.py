@@ -9,7 +9,9 @@ Hugging Face BERT directory (both load through model.Bert.from_pretrained).
     python eval.py --plot_log out/mlm/log.jsonl out/taco/log.jsonl --out out  # training curves
 
 GLUE writes glue.json (every metric of every run, each run's hyper-parameters, the config) and
-glue.md (the table) into --out (default: the model's directory); --predict adds one GLUE
+glue.md (the table) into --out (default: the model's directory), where an earlier glue.json's other tasks
+join the table if it was made from the same export with the same settings (else it moves aside to
+glue.K.json, never overwritten); --predict adds one GLUE
 submission file per test set there, --save_model a fine-tuned Hugging Face directory per task
 under models/. --analysis writes analysis.json and analysis_*.png.
 
@@ -474,6 +476,33 @@ def glue_task(task, raw, args, base, tok, size, overrides, seeds, device, out, m
     return result, predictions
 
 
+def earlier_results(out, settings, tasks, log):
+    """(results, predictions) of an earlier glue.json in `out` for the tasks this call does not redo, when it was
+    made with the same settings: `--tasks rte` then `--tasks mrpc` give one table. Made otherwise (another
+    step, recipe, seeds...), it and its glue.md move aside to glue.K.json / glue.K.md: never overwritten."""
+    path = os.path.join(out, "glue.json")
+    if not os.path.exists(path):
+        return {}, {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            old = json.load(f)
+    except (OSError, ValueError):
+        old = None
+    if isinstance(old, dict) and old.get("settings") == settings and isinstance(old.get("tasks"), dict):
+        kept = {t: r for t, r in old["tasks"].items() if t not in tasks and isinstance(r, dict) and r.get("status") == "ok"}
+        if kept:
+            log(f"note: {path} holds {', '.join(kept)} from the same export and settings: kept in the table")
+        return kept, old.get("predictions") if isinstance(old.get("predictions"), dict) else {}
+    k = 1
+    while os.path.exists(os.path.join(out, f"glue.{k}.json")):
+        k += 1
+    for ext in ("md", "json"):  # glue.json last: a kill in between leaves it to be moved next time
+        if os.path.exists(os.path.join(out, f"glue.{ext}")):
+            os.replace(os.path.join(out, f"glue.{ext}"), os.path.join(out, f"glue.{k}.{ext}"))
+    log(f"note: {path} was made from another export or with other settings: moved to glue.{k}.json")
+    return {}, {}
+
+
 def run_glue(args, log=print):
     validate_args(args)
     if isinstance(args.model, str):  # a caller's one path; the command line gives a list
@@ -530,7 +559,12 @@ def run_glue(args, log=print):
             missing[task.name] = dict(status="missing", reason=str(e))
     if not loaded:
         raise ValueError("no GLUE task could be scored: " + "; ".join(f"{n}: {r['reason']}" for n, r in missing.items()))
-    results, predictions, t_all = {}, {}, time.time()
+    settings = json.loads(json.dumps(dict(  # what makes two calls' scores one table (JSON types, as read back)
+        training_step=base.training_step, recipe=args.recipe, protocol=protocol, seeds=seeds, fixed=fixed,
+        max_train_samples=args.max_train_samples, max_eval_samples=args.max_eval_samples,
+        group_by_length=args.group_by_length, data=os.path.abspath(args.glue_dir) if args.glue_dir else "hub")))
+    results, predictions = earlier_results(out, settings, [t.name for t in tasks], log)
+    t_all = time.time()
 
     def write_report(not_run=()):
         """glue.json and glue.md of the tasks done so far, rewritten after each task: a run stopped
@@ -546,14 +580,15 @@ def run_glue(args, log=print):
                       training_step=base.training_step, recipe=args.recipe,
                       model_size=size, protocol=protocol, seeds=seeds, runs_per_task=n_runs,
                       runs_label=runs_label, group_by_length=args.group_by_length, args=vars(args), device=str(device),
-                      torch=torch.__version__, model_config=vars(cfg), time_s=time.time() - t_all, tasks=results)
+                      torch=torch.__version__, model_config=vars(cfg), time_s=time.time() - t_all, settings=settings,
+                      tasks=results)
         values = {stat: {(t, k): v for t, r in results.items() if r["status"] == "ok" for k, v in r[stat].items()}
                   for stat in ("mean", "median")}
         report["avg9"] = {stat: like_for_like(v, AVG9, present=v) for stat, v in values.items()}
         report["avg8"] = {stat: like_for_like(v, AVG8, present=v) for stat, v in values.items()}
         report["missing"] = [n for n, r in results.items() if r["status"] == "missing"]
         report["not_run"] = list(not_run)
-        if args.predict:
+        if predictions:
             report["predictions"] = predictions
         table = glue_table(report, compare=args.compare)
         os.makedirs(out, exist_ok=True)

@@ -21,6 +21,7 @@ import json
 import os
 import re
 from dataclasses import fields
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -326,12 +327,13 @@ def write_hf_dir(out_dir, state, hf_config, metadata, tokenizer_dir=None):
     from tokenizer_dir, each written atomically (Bert.save_pretrained, eval.py's fine-tuned models)."""
     from safetensors.torch import save_file
     os.makedirs(out_dir, exist_ok=True)
-    weights = os.path.join(out_dir, "model.safetensors")
-    save_file(state, weights + ".tmp", metadata=metadata)
     umask = os.umask(0)
     os.umask(umask)
-    os.chmod(weights + ".tmp", 0o666 & ~umask)  # safetensors writes 0600; the other files get the umask's mode
-    os.replace(weights + ".tmp", weights)
+
+    def write_weights(tmp):
+        save_file(state, tmp, metadata=metadata)
+        os.chmod(tmp, 0o666 & ~umask)  # safetensors writes 0600; the other files get the umask's mode
+    replace_atomic(os.path.join(out_dir, "model.safetensors"), write_weights)
     write_atomic(os.path.join(out_dir, "config.json"), json.dumps(hf_config, indent=2))
     if tokenizer_dir and os.path.abspath(tokenizer_dir) != os.path.abspath(out_dir):
         for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
@@ -341,8 +343,19 @@ def write_hf_dir(out_dir, state, hf_config, metadata, tokenizer_dir=None):
                     write_atomic(os.path.join(out_dir, name), f.read())
 
 
-def write_atomic(path, text):
-    """Text via a temporary file and os.replace: a kill never leaves a partial file (train.py and eval.py use it)."""
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)
+def replace_atomic(path, write, tmp=None):
+    """write(tmp) then os.replace(tmp, path): a kill never leaves a partial `path`, and a failed write (a full
+    disk) removes its temporary file before the error goes on (a kill's is removed by the next run)."""
+    tmp = tmp or path + ".tmp"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.isfile(tmp):
+            os.remove(tmp)
+        raise
+
+
+def write_atomic(path, text, tmp=None):
+    """Text via a temporary file and os.replace (train.py and eval.py use it)."""
+    replace_atomic(path, lambda name: Path(name).write_text(text, encoding="utf-8"), tmp)

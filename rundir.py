@@ -5,7 +5,8 @@ It guarantees (test_reliability.py and test_train.py hold it to each):
 - every file is written atomically (NAME.tmp, then a rename); a run killed mid-save leaves its partial
   files, which the next run on the out_dir removes; a half-written last log line is dropped;
 - ckpt.pt is what --resume trusts; the Hugging Face export is written before it and rewritten from it
-  when the two disagree (a run killed between them); a failed save (a full disk) keeps the last good one;
+  when the two disagree (a run killed between them); a failed save or log write (a full disk) is one line
+  and keeps the last good one;
 - a resume reads its own tokenizer and refuses other data (a fingerprint of the token streams);
 - every segment of a run records the code that ran (git commit, code.diff of local changes), torch, host;
 - bad input is one `error:` line and exit 2 (once, from rank 0 under torchrun), nothing saved is touched.
@@ -17,6 +18,7 @@ import re
 import socket
 import subprocess
 import sys
+from contextlib import contextmanager
 from dataclasses import asdict, replace
 
 import numpy as np
@@ -25,7 +27,7 @@ from safetensors import SafetensorError
 
 import data
 from config import RankError, init_dir, parse_args, resume_config, saved_config, validate
-from hf_io import write_atomic
+from hf_io import replace_atomic, write_atomic
 from model import Bert, BertConfig
 from monitor import Diverged, duration
 
@@ -66,6 +68,9 @@ def run_main(train, argv, usage):
     except (Diverged, SaveFailed) as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except OSError as e:  # the system failed a read or a write outside a save (a full disk, a lost mount)
+        sys.stderr.write(f"error{f' (rank {rank})' if rank else ''}: {e}\n")
         sys.exit(1)
     except KeyboardInterrupt:  # before the training loop, which handles its own
         print("interrupted before training started: nothing was saved", file=sys.stderr)
@@ -144,8 +149,7 @@ def remove_partial_writes(out_dir):
 
 
 def atomic_save(obj, path):
-    torch.save(obj, path + ".tmp")
-    os.replace(path + ".tmp", path)
+    replace_atomic(path, lambda tmp: torch.save(obj, tmp))
 
 
 def data_fingerprint(train_tokens, val_tokens):
@@ -329,32 +333,40 @@ class Run:
             print(f"the learning-rate schedule moved ({changed}): lr at step {step} was {lr_at(step, old):.2e}, "
                   f"now {lr_at(step, cfg):.2e} (warm-up {cfg.warmup_steps}, linear decay to 0 at {cfg.max_steps})")
         if export_step(cfg.out_dir) != step:  # a run killed between the export and ckpt.pt: ckpt.pt wins
-            self.model.save_pretrained(cfg.out_dir, mlm_head=self.trains_head, step=step)
+            with self.failing_write(f"rewrite the Hugging Face export of step {step} in {cfg.out_dir}"):
+                self.model.save_pretrained(cfg.out_dir, mlm_head=self.trains_head, step=step)
             print(f"rewrote the Hugging Face export in {cfg.out_dir} from ckpt.pt (step {step})")
 
     def log(self, record):
         if self.log_file:
-            self.log_file.write(json.dumps(record) + "\n")
-            self.log_file.flush()
+            with self.failing_write(f"write {self.log_file.name}"):
+                self.log_file.write(json.dumps(record) + "\n")
+                self.log_file.flush()
+
+    @contextmanager
+    def failing_write(self, what):
+        """A write that fails (a full disk) stops the run with one line saying what ckpt.pt keeps."""
+        try:
+            yield
+        except (OSError, RuntimeError, SafetensorError) as e:  # a full disk: torch.save raises RuntimeError
+            remove_partial_writes(self.cfg.out_dir)
+            reason = (str(e).splitlines() or [type(e).__name__])[0][:200]
+            kept = (f"ckpt.pt keeps step {self.saved_step}, --resume goes on from it" if self.saved_step
+                    else "no ckpt.pt yet")
+            raise SaveFailed(f"cannot {what} ({reason}); {kept}") from None
 
     def save(self, step, elapsed_s):
         """The export first, then ckpt.pt (what --resume trusts, and it rewrites an export of another step).
         One writer: the ranks hold the same weights, and the loader state is global."""
         cfg = self.cfg
         if self.layout.master:
-            try:
+            with self.failing_write(f"save step {step} into {cfg.out_dir}"):
                 self.model.save_pretrained(cfg.out_dir, mlm_head=self.trains_head, step=step)
                 atomic_save(dict(model=self.model.state_dict(), model_config=asdict(self.model_config),
                                  objective=self.objective.state_dict(), optimizer=self.optimizer.state_dict(),
                                  scaler=self.scaler.state_dict(), step=step, loader=self.train_loader.state_dict(),
                                  elapsed_s=elapsed_s, config=asdict(cfg), data=self.fingerprint),
                             os.path.join(cfg.out_dir, "ckpt.pt"))
-            except (OSError, RuntimeError, SafetensorError) as e:  # a full disk: torch.save raises RuntimeError
-                remove_partial_writes(cfg.out_dir)
-                reason = (str(e).splitlines() or [type(e).__name__])[0][:200]
-                kept = (f"ckpt.pt keeps step {self.saved_step}, --resume goes on from it" if self.saved_step
-                        else "no ckpt.pt yet")
-                raise SaveFailed(f"cannot save step {step} into {cfg.out_dir} ({reason}); {kept}") from None
         self.saved_step = step
 
     def close(self, step, first_step=None, seconds=None, stopped_by=None):

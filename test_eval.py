@@ -733,6 +733,22 @@ def test_a_stopped_run_keeps_the_tasks_it_finished(tmp_path, tiny_model_dir, mon
     assert "Not run: stsb, mrpc" in (out / "glue.md").read_text()
 
 
+def test_a_second_call_extends_glue_json_or_moves_it_aside(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    monkeypatch.setattr(ev, "finetune", lambda base, task, *args: (torch.nn.Linear(1, 1), [
+        dict(scores={"cola": dict(mcc=42.0), "stsb": dict(pearson=50.0, spearman=40.0)}[task.name], collapsed=False)]))
+    out, glue = tmp_path / "out", str(write_glue(tmp_path / "glue"))
+    common = ["--model", str(tiny_model_dir), "--glue_dir", glue, "--out", str(out)]
+    ev.main(common + ["--tasks", "cola"])
+    ev.main(common + ["--tasks", "stsb"])  # same export and settings: one table of both
+    saved = json.loads((out / "glue.json").read_text())
+    assert set(saved["tasks"]) == {"cola", "stsb"} and saved["avg9"]["mean"] == pytest.approx((42.0 + 40.0) / 2)
+    assert "kept in the table" in capsys.readouterr().out
+    ev.main(common + ["--tasks", "stsb", "--seeds", "2"])  # other seeds: the earlier file is moved, not lost
+    assert set(json.loads((out / "glue.json").read_text())["tasks"]) == {"stsb"}
+    assert set(json.loads((out / "glue.1.json").read_text())["tasks"]) == {"cola", "stsb"}
+    assert (out / "glue.1.md").is_file() and "moved to glue.1.json" in capsys.readouterr().out
+
+
 def test_an_unwritable_model_directory_is_refused_before_fine_tuning(tmp_path, tiny_model_dir, capsys, monkeypatch):
     # the default --out is the model's directory; read-only (root ignores modes, so a failing write stands in),
     # GLUE used to fine-tune every task and then fail on glue.json

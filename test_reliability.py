@@ -3,6 +3,7 @@ it saves NaN, checkpoints loaded without running code, a run directory that stay
 unit (own tokenizer, export agrees with ckpt.pt, lock, exact data position across layouts,
 repaired log, SIGTERM), and the provenance in log.jsonl. Most runs call train.main() in-process."""
 import copy
+import errno
 import hashlib
 import json
 import os
@@ -366,6 +367,70 @@ def test_kill_between_export_and_checkpoint_leaves_a_loadable_run(corpus, cache,
     assert "rewrote the Hugging Face export" in out and rundir.export_step(str(out_dir)) == 10
     exported, trained = model.Bert.from_pretrained(str(out_dir)).hf_state_dict(), m.hf_state_dict()
     assert exported.keys() == trained.keys() and all(torch.equal(exported[k], v) for k, v in trained.items())
+
+
+def no_space(*_):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_full_disk_anywhere_is_one_error_line_and_keeps_the_last_checkpoint(corpus, cache, tmp_path, capsys,
+                                                                               monkeypatch):
+    # a temporary file the disk could not hold is removed, and the file it was to replace is untouched
+    target = tmp_path / "config.json"
+    target.write_text("good")
+
+    def half_written(tmp):
+        Path(tmp).write_text("ha")
+        no_space()
+    with pytest.raises(OSError):
+        hf_io.replace_atomic(str(target), half_written)
+    assert target.read_text() == "good" and [p.name for p in tmp_path.iterdir()] == ["config.json"]
+
+    # the disk is full before the first save: the tokenizer cannot be written
+    monkeypatch.setattr(data, "save_tokenizer", no_space)
+    code, _, err = run_main(flags(corpus, cache, tmp_path / "early"), capsys)
+    monkeypatch.undo()
+    assert code == 1
+    one_error(err, "No space left on device")
+
+    # the disk fills after step 10's checkpoint, at a log.jsonl line
+    out_dir = tmp_path / "run"
+    real_start = rundir.Run.start
+
+    class FullAfter:  # log.jsonl's file: its writes fail once the disk is full
+        def __init__(self, f, writes):
+            self.f, self.writes = f, writes
+
+        def write(self, text):
+            self.writes -= 1
+            return no_space() if self.writes < 0 else self.f.write(text)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    def start(self, tok, step):
+        real_start(self, tok, step)
+        self.log_file = FullAfter(self.log_file, writes=3)  # step 0's evaluation, steps 5 and 10
+    monkeypatch.setattr(rundir.Run, "start", start)
+    code, _, err = run_main(flags(corpus, cache, out_dir, max_steps=20), capsys)
+    monkeypatch.undo()
+    assert code == 1
+    one_error(err, "cannot write", "log.jsonl", "No space left", "ckpt.pt keeps step 10")
+    assert hf_io.load_checkpoint_file(str(out_dir / "ckpt.pt"))["step"] == 10
+
+    # a resume must rewrite an export of another step, and the disk is full
+    (out_dir / "config.json").write_text(json.dumps({**json.loads((out_dir / "config.json").read_text()),
+                                                     "training_step": 15}))
+    weights = (out_dir / "model.safetensors").read_bytes()
+    monkeypatch.setattr(hf_io, "write_hf_dir", no_space)
+    code, _, err = run_main(["--resume", out_dir], capsys)
+    monkeypatch.undo()
+    assert code == 1
+    one_error(err, "cannot rewrite the Hugging Face export", "ckpt.pt keeps step 10")
+    assert (out_dir / "model.safetensors").read_bytes() == weights
+    assert hf_io.load_checkpoint_file(str(out_dir / "ckpt.pt"))["step"] == 10
+    code, _, err = run_main(["--resume", out_dir], capsys)  # room again: it goes on from step 10
+    assert code == 0, err
 
 
 def test_resume_of_a_missing_path_and_of_a_run_with_no_checkpoint_say_which(tmp_path, capsys):

@@ -50,6 +50,7 @@ from tokenizers import Tokenizer, models
 from tqdm import tqdm
 
 import corpus
+import hf_io
 from corpus import first_line, quiet_hub
 
 FORMAT_VERSION = 1  # bump when the stream layout changes: old caches are then ignored
@@ -59,10 +60,8 @@ CHECKSUM_CHUNKS = 1024  # a token cache over CHECKSUM_CHUNKS x 64 KiB is checksu
 # ----------------------------------------------------------------------------- tokenizer files
 
 def write_atomic(path, text):
-    """Write text to path via a temporary file and os.replace: a kill never leaves a partial file."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    Path(tmp).write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    """hf_io.write_atomic with a temporary name of this process's own: two runs may write one cache."""
+    hf_io.write_atomic(str(path), text, tmp=f"{path}.tmp{os.getpid()}")
 
 def read_tokenizer(path):
     """(tokenizer, None) from tokenizer.json, a directory holding one, or a hub name; (bare WordPiece, options)
