@@ -577,6 +577,9 @@ def run(args):
     out_dir = args.out or os.environ.get("OUT")
     if not out_dir:
         sys.exit("error: $OUT is not set: pass --out DIR (on the device machine the tool sets $OUT)")
+    for name, folder in (("--out", out_dir), ("--work", args.work)):
+        if folder and os.path.exists(folder) and not os.path.isdir(folder):
+            sys.exit(f"error: {name} {folder}: a file, not a folder")
     os.makedirs(out_dir, exist_ok=True)
     work = os.path.abspath(args.work or os.path.join(HERE, "out", "device_toy" if args.toy else "device", args.chunk))
     os.makedirs(work, exist_ok=True)
@@ -693,9 +696,22 @@ def chunk_results(chunk_dir, chunk):
 
 def merge(args):
     into = os.path.abspath(args.into)
+    if os.path.exists(into) and not os.path.isdir(into):
+        sys.exit(f"error: --into {args.into}: a file, not a folder")
+    for archive in args.archives:  # every archive checked before any is merged
+        try:
+            with tarfile.open(archive) as tar:
+                chunks = {m.name.split("/")[0] for m in tar.getmembers()}  # reads it all: a truncated one fails here
+        except (OSError, EOFError, tarfile.TarError) as e:
+            sys.exit(f"error: {archive}: not a readable archive ({(str(e).splitlines() or [type(e).__name__])[0]})")
+        if len(chunks) != 1 or next(iter(chunks)) not in CHUNKS:
+            sys.exit(f"error: {archive}: not an archive of device_run.py (its top folders: {sorted(chunks)[:3]})")
     os.makedirs(into, exist_ok=True)
     for archive in args.archives:
-        print(f"{archive} -> {os.path.join(into, extract(archive, into))}")
+        try:
+            print(f"{archive} -> {os.path.join(into, extract(archive, into))}")
+        except ValueError as e:
+            sys.exit(f"error: {e}")
     records = {c: reproduce.read_json(os.path.join(into, c, "chunk.json")) for c in CHUNKS}
     records = {c: r for c, r in records.items() if r}
     if not records:

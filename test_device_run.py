@@ -263,3 +263,30 @@ def test_a_chunk_cut_by_its_deadline_keeps_what_finished(tmp_path):
     # the archive holds the log up to the stop (a SIGTERM's save between two log steps logs no line of its own)
     logged = [json.loads(line)["step"] for line in log.splitlines()[1:] if line.startswith('{"step"')]
     assert step is not None and 0 < step < 2000 and logged and step - 5 <= max(logged) <= step, (step, logged)
+
+
+def test_bad_archives_and_folders_are_one_error_line_and_merge_nothing(tmp_path, capsys):
+    into = tmp_path / "mini"
+    (tmp_path / "random.tar.gz").write_bytes(random.Random(0).randbytes(5000))
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "a.txt").write_text("not a chunk")
+    with tarfile.open(tmp_path / "foreign.tar.gz", "w:gz") as tar:
+        tar.add(tmp_path / "x", arcname="x")
+    (tmp_path / "mlm-taco").mkdir()
+    (tmp_path / "mlm-taco" / "big.txt").write_bytes(random.Random(1).randbytes(200_000))
+    with tarfile.open(tmp_path / "whole.tar.gz", "w:gz") as tar:
+        tar.add(tmp_path / "mlm-taco", arcname="mlm-taco")
+    whole = (tmp_path / "whole.tar.gz").read_bytes()
+    (tmp_path / "truncated.tar.gz").write_bytes(whole[:len(whole) // 2])
+    (tmp_path / "FILE").write_text("a file")
+    for argv, needle in [(["merge", str(tmp_path / "missing.tar.gz")], "not a readable archive"),
+                         (["merge", str(tmp_path / "random.tar.gz")], "not a readable archive"),
+                         (["merge", str(tmp_path / "truncated.tar.gz")], "not a readable archive"),
+                         (["merge", str(tmp_path / "foreign.tar.gz")], "not an archive of device_run.py"),
+                         (["merge", str(tmp_path / "whole.tar.gz"), "--into", str(tmp_path / "FILE")], "not a folder"),
+                         (["run", "mlm-taco", "--toy", "--out", str(tmp_path / "FILE")], "not a folder")]:
+        with pytest.raises(SystemExit) as stop:
+            device_run.main(argv + (["--into", str(into)] if argv[0] == "merge" and "--into" not in argv else []))
+        message = str(stop.value.code)
+        assert message.startswith("error: ") and needle in message and "\n" not in message, (argv, message)
+    assert not into.exists()  # nothing was merged, not even an empty folder
