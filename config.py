@@ -385,12 +385,27 @@ def resume_config(cfg, given):
     if type(ckpt["step"]) is not int or ckpt["step"] < 0:
         raise ValueError(f"--resume {path}: its step is {ckpt['step']!r}, not an integer >= 0 (an edited or corrupt "
                          f"checkpoint)")
+    elapsed, loader = ckpt["elapsed_s"] if "elapsed_s" in ckpt else 0.0, ckpt["loader"]
+    if type(elapsed) not in (int, float) or not elapsed >= 0:
+        raise ValueError(f"--resume {path}: its elapsed_s is {elapsed!r}, not seconds >= 0 (an edited or corrupt checkpoint)")
+    if not isinstance(loader, dict) or type(loader.get("sequences")) is not int or loader["sequences"] < 0:
+        raise ValueError(f"--resume {path}: its loader state is {loader!r}, not {{'sequences': a count >= 0}} (an "
+                         f"edited or corrupt checkpoint)")
+    saved = ckpt["config"]  # not a dict: saved_config says so
+    absent = [k for k in (*FIXED_ON_RESUME, "max_steps") if k not in saved] if isinstance(saved, dict) else []
+    if absent:
+        raise ValueError(f"--resume {path}: its config lacks {', '.join(absent)} (an edited or corrupt checkpoint)")
     run_dir = os.path.dirname(path) or "."
     saved = saved_config(ckpt, path)
     for name in (n for n in FIXED_ON_RESUME if n in given):
         if given[name] != (data_path(saved.data) if name == "data" else getattr(saved, name)):
             raise ValueError(f"--resume {path}: checkpoint has {name}={getattr(saved, name)!r}, flags say "
                              f"{given[name]!r} (it would change the model, its vocabulary or the data order)")
+    for name in ("preset", "init_from"):  # a resume keeps its checkpoint's config and weights: these would do nothing
+        old, new = getattr(saved, name), given.get(name, getattr(saved, name))
+        if (os.path.realpath(old) != os.path.realpath(new)) if old and new and name == "init_from" else old != new:
+            raise ValueError(f"--{name} {new}: the run in {run_dir} was made with {name} {old!r}, and a resume goes "
+                             f"on with its own (to start a new run from its weights: --init_from {run_dir})")
     if given.get("max_steps", saved.max_steps) < ckpt["step"]:
         raise ValueError(f"--max_steps {given.get('max_steps', saved.max_steps)}: the run in {run_dir} is already at "
                          f"step {ckpt['step']}; to train on, pass a larger --max_steps")

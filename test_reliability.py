@@ -449,6 +449,13 @@ def test_resume_into_another_out_dir_and_a_busy_out_dir_are_refused(corpus, cach
     code, _, err = run_main(["--resume", run_dir, "--out_dir", tmp_path / "other", "--max_steps", 10], capsys)
     assert code == 2 and not (tmp_path / "other").exists()
     one_error(err, "another directory", "--init_from")
+    # flags a resume would ignore are refused, not dropped in silence
+    for flag, value in (("--preset", "small"), ("--init_from", tmp_path)):
+        code, _, err = run_main(["--resume", run_dir, flag, value, "--max_steps", 10], capsys)
+        assert code == 2
+        one_error(err, f"{flag} {value}", "a resume goes on with its own")
+    code, _, err = run_main(["--resume", run_dir, "--preset", "smoke", "--max_steps", 5], capsys)  # its own: fine
+    assert code == 0, err
 
     (tmp_path / "busy").mkdir()
     # another process holds the OS lock on each .lock, as a running train.py does
@@ -556,7 +563,11 @@ def test_a_checkpoint_config_of_the_wrong_type_is_one_error_line(corpus, cache, 
     optimizer = copy.deepcopy(ckpt["optimizer"])
     optimizer["state"][0]["exp_avg"] = optimizer["state"][0]["exp_avg"][:1]
     model = {k: v for k, v in ckpt["model"].items() if k != "embeddings.ln.bias"}
+    config = {k: v for k, v in ckpt["config"].items() if k != "max_steps"}
     for edit, needle in ((dict(step="5"), "its step is '5'"), (dict(step=-5), "its step is -5"),
+                         (dict(elapsed_s="x"), "its elapsed_s is 'x'"), (dict(loader=-5), "its loader state is -5"),
+                         (dict(loader={"sequences": "1"}), "its loader state is"),
+                         (dict(config={}), "its config lacks objective"), (dict(config=config), "lacks max_steps"),
                          (dict(optimizer=optimizer), "optimizer state of shape"),
                          (dict(model=model), 'Missing key(s) in state_dict: "embeddings.ln.bias"')):
         torch.save({**ckpt, **edit}, run_dir / "ckpt.pt")
