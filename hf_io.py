@@ -267,7 +267,17 @@ def _load_tensors(path):
                     if unsafe.group(1).startswith("numpy") else "")
             raise ValueError(f"{path}: refused: it holds a Python object ({unsafe.group(1)}) that only an unsafe "
                              f"load would run; weights and checkpoints hold tensors and plain values{hint}") from None
-        raise ValueError(f"{path}: corrupt or unreadable file ({type(e).__name__}: {_last_line(e)})") from None
+        raise ValueError(f"{path}: corrupt or unreadable file ({type(e).__name__}: {_last_line(e)}){_dir_hint(path)}"
+                         ) from None
+
+
+def _dir_hint(path):
+    """A file of a model directory given where the directory (or its ckpt.pt) was meant."""
+    names = ("model.safetensors", "config.json", "pytorch_model.bin", "tokenizer.json", "vocab.txt", "log.jsonl")
+    if os.path.basename(str(path)) in names:
+        return f"; {os.path.basename(str(path))} is one file of a model directory: pass the directory, " \
+               f"{os.path.dirname(str(path)) or '.'}"
+    return ""
 
 
 def load_checkpoint_file(path):
@@ -276,7 +286,7 @@ def load_checkpoint_file(path):
     Every failure is one clear ValueError."""
     ckpt = _load_tensors(path)
     if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
-        raise ValueError(f"{path}: not a checkpoint of this project (no model / model_config)")
+        raise ValueError(f"{path}: not a checkpoint of this project (no model / model_config){_dir_hint(path)}")
     return ckpt
 
 

@@ -63,6 +63,10 @@ def test_bad_checkpoints_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="corrupt"):
         Bert.from_pretrained(str(bad))
     assert os.path.isfile(tmp_path / "model.safetensors")  # nothing saved was removed
+    ours.save_pretrained(str(tmp_path))
+    for name in ("model.safetensors", "config.json"):  # one file of the directory, where the directory was meant
+        with pytest.raises(ValueError, match=f"{name} is one file of a model directory: pass the directory"):
+            Bert.from_pretrained(str(tmp_path / name))
 
 
 @pytest.mark.parametrize("edit,problem", [
