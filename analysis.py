@@ -32,6 +32,7 @@ import os
 import random
 import re
 import socket
+import sys
 import textwrap
 
 import numpy as np
@@ -868,3 +869,7 @@ def plot_logs(paths, out):
     plt.close(fig)
     print(f"wrote {path}")
     return path
+
+
+if __name__ == "__main__":  # a module, not a command: say where its command is instead of doing nothing
+    sys.exit("error: analysis.py is run through eval.py: python eval.py --analysis --model RUN_DIR [RUN_DIR ...]")
