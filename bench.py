@@ -52,7 +52,7 @@ from dataclasses import replace
 
 import torch
 
-from losses import LOSSES, eligible_positions
+from losses import LOSSES, eligible_positions, pool_problem
 from hf_io import config_to_hf
 from model import Bert, BertConfig, MODEL_PRESETS
 from config import Parser, TrainConfig, dir_problem
@@ -371,6 +371,13 @@ def main(argv=None):
         problem = path and dir_problem(path)
         if problem:
             p.error(f"--{flag} {getattr(args, flag)}: {path} {problem}")
+    if args.seq_len < 3:
+        p.error(f"--seq_len {args.seq_len}: must be >= 3 (a row is [CLS] + tokens + [SEP], as train.py's)")
+    for objective in objectives:  # TACO's and COCO-LM's pool of negatives is the batch here: train.py's rule
+        problem = pool_problem(replace(TrainConfig(), objective=objective, seq_len=args.seq_len,
+                                       taco_negatives=args.taco_negatives), args.batch_size)
+        if problem:
+            p.error(f"--{problem[0]} with --objectives {objective}: {problem[1]}")
     if args.seq_len > BertConfig.max_position_embeddings:
         p.error(f"--seq_len {args.seq_len} exceeds max_position_embeddings {BertConfig.max_position_embeddings}")
     if args.loader and args.hf:

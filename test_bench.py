@@ -118,7 +118,9 @@ def test_interleave_times_one_step_of_each_run_in_turn(capsys):
                                   ["--dropout", "1"], ["--dropout", "nan"], ["--taco_negatives", "0"], ["--warmup", "-3"],
                                   ["--device", "mps"], ["--json", __file__ + "/x.json"],
                                   ["--json", os.path.dirname(os.path.abspath(__file__))],
-                                  TINY + ["--loader", "--hf"]])
+                                  TINY + ["--loader", "--hf"], ["--seq_len", "2"],
+                                  ["--objectives", "taco", "--taco_negatives", "1000", "--batch_size", "2", "--seq_len", "32"],
+                                  ["--objectives", "cocolm", "--batch_size", "1"]])
 def test_bad_flags_give_one_error_line_and_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         bench.main(argv)
