@@ -219,7 +219,7 @@ def test_a_failing_run_keeps_the_other_rows_and_hf_runs_after_our_mlm(tmp_path, 
         return real(cfg, *rest)
     monkeypatch.setattr(bench, "build_ours", build_ours)
     out = tmp_path / "bench.json"
-    results = bench.main(TINY + ["--objectives", "taco,mlm,electra", "--hf", "--json", str(out)])
+    results = bench.main(TINY + ["--objectives", "taco,mlm,electra", "--taco_negatives", "4", "--hf", "--json", str(out)])
     assert [r["objective"] for r in results] == ["taco", "mlm", "hf-mlm", "electra"]
     assert "OutOfMemoryError" in results[0]["error"] and not any("error" in r for r in results[1:])
     text = capsys.readouterr().out
