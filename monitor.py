@@ -54,7 +54,19 @@ class DivergenceWatch:
             raise Diverged(f"non-finite loss or gradient norm at step {bad} (step {step}: {terms}); stopped "
                            f"without saving: {kept}. Try a lower learning rate: "
                            + (f"python train.py --resume {cfg.out_dir} --lr {cfg.lr / 2:.3g}" if saved_step else
-                              f"--lr {cfg.lr / 2:.3g}"))
+                              f"--lr {cfg.lr / 2:.3g}") + scale_flags_hint(cfg))
+
+
+SCALE_FLAGS = ("taco_temperature", "tacl_temperature", "cocolm_scl_temperature", "taco_weight", "cocolm_copy_weight",
+               "electra_disc_weight", "adam_eps", "grad_clip")  # flags that scale the loss or the update
+
+
+def scale_flags_hint(cfg):
+    """Where a run diverged with one of SCALE_FLAGS moved off its preset, the line names it too."""
+    from config import PRESETS  # here: config is the flags' module, and this one serves train.py's loop
+    default = type(cfg)(**PRESETS.get(cfg.preset, {}))
+    moved = [f"--{k} {getattr(cfg, k):g}" for k in SCALE_FLAGS if getattr(cfg, k) != getattr(default, k)]
+    return f"; or undo {', '.join(moved)} (off the preset's value)" if moved else ""
 
 
 class StepLog:

@@ -199,6 +199,14 @@ def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(corpus, cache, tmp
     else:
         assert "nothing was saved" in line and not (out_dir / "ckpt.pt").exists()
     assert not (out_dir / ".lock").exists()
+    assert "undo" not in line  # no flag that scales the loss moved off the preset
+
+
+def test_a_divergence_names_the_loss_scaling_flags_that_moved(corpus, cache, tmp_path, capsys):
+    code, _, err = run_main(flags(corpus, cache, tmp_path / "run", objective="taco", taco_negatives=8,
+                                  taco_temperature=1e-30, log_interval=1), capsys)
+    assert code == 1
+    one_error(err, "non-finite loss", "lower learning rate", "or undo --taco_temperature 1e-30")
 
 
 class InfGrad(torch.autograd.Function):
