@@ -868,6 +868,10 @@ def parse(argv):
     if not args.out_dir.strip() or os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
         p.error(f"--out_dir {args.out_dir!r}: must name a directory")
     args.cache_dir = args.cache_dir or os.path.join(args.out_dir, "cache")
+    if os.path.exists(args.cache_dir) and not os.path.isdir(args.cache_dir):
+        p.error(f"--cache_dir {args.cache_dir}: a file, not a directory")
+    if not 0 <= args.seed < 2 ** 64:  # train.py's --seed range, asked before any run starts
+        p.error(f"--seed {args.seed}: must be an integer in [0, 2**64)")
     if args.tokenizer and not os.path.exists(args.tokenizer):
         p.error(f"--tokenizer {args.tokenizer}: no such file or directory")
     for name in ("data", "glue_dir", "out_dir", "cache_dir", "tokenizer"):  # subprocesses run in this file's folder

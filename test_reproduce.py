@@ -164,7 +164,8 @@ def test_bad_input_is_refused_before_any_work(tmp_path):
                          (["--steps", "0"], "--steps 0"), (["--glue_dir", str(tmp_path / "nowhere")], "--glue_dir"),
                          (["--objectives", "taco", "--only", "mlm"], "not one of the runs"),
                          (["--seeds", "1,\u00b2"], "--seeds"), (["--objectives", ","], "unknown objective"),
-                         (["--nproc_per_node", "0"], "--nproc_per_node 0")):
+                         (["--nproc_per_node", "0"], "--nproc_per_node 0"), (["--seed", "-1"], "--seed -1"),
+                         (["--cache_dir", __file__], "a file, not a directory")):
         assert needle in reproduce_error([*argv, "--out_dir", str(out)], tmp_path)
     assert not (out / "mlm").exists()
     (tmp_path / "file").write_text("x")
