@@ -43,7 +43,7 @@ import data
 from config import dir_problem
 from corpus import read_text
 from glue_tasks import TASKS, load_hub, read_tsv
-from hf_io import still_training
+from hf_io import replace_atomic, still_training
 from model import Bert
 
 ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
@@ -507,26 +507,15 @@ def analyze_model(model, tok, sentences, max_len, device, seed, stsb_rows, heatm
     return result, raw
 
 
-def _write_atomic(path, write):
-    """write(tmp_path), then rename: an interrupted run never leaves a truncated file."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
 def _save_json(obj, path):
     def write(tmp):
         with open(tmp, "w") as f:
             json.dump(obj, f, indent=2)
-    _write_atomic(path, write)
+    replace_atomic(path, write)
 
 
 def _save_figure(fig, path, dpi=110):
-    _write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=dpi, format="png"))
+    replace_atomic(path, lambda tmp: fig.savefig(tmp, dpi=dpi, format="png"))
 
 
 def run_analysis(args):
@@ -550,6 +539,8 @@ def run_analysis(args):
         if tok.get_vocab_size() > model.config.vocab_size:  # ids beyond the embedding: not this model's tokenizer
             raise ValueError(f"{path}: the tokenizer has {tok.get_vocab_size()} tokens, the model "
                              f"{model.config.vocab_size}")
+        if "max_len" in given and args.max_len > model.config.max_position_embeddings:  # as eval.py's GLUE refuses
+            raise ValueError(f"--max_len {args.max_len}: exceeds {path}'s {model.config.max_position_embeddings} positions")
         if still_training(path):
             print(f"note: {path} is still training (a train.py holds its .lock): this analyses its step "
                   f"{model.training_step} export, and analysis.json records that step")
@@ -574,7 +565,7 @@ def run_analysis(args):
     for label, path in zip(_labels(models), models):
         print(f"analysing {path}")
         model, tok = Bert.from_pretrained(path).to(device).eval(), load_tokenizer(path)
-        max_len = min(args.max_len, model.config.max_position_embeddings)  # as eval.py's GLUE does
+        max_len = min(args.max_len, model.config.max_position_embeddings)  # the default 128 on a shorter model
         result, raws[label] = analyze_model(model, tok, sentences, max_len, device, args.seed, stsb_rows,
                                             heatmap_sentence)
         results["models"][label] = {"path": path, "training_step": model.training_step, "max_len": max_len,
@@ -835,7 +826,6 @@ def plot_logs(paths, out):
     directory). out: a .png path or a directory (written as training_curves.png)."""
     plt = _pyplot()
     path = out if out and out.endswith(".png") else os.path.join(out or ".", "training_curves.png")
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     logs = {label: read_log(p) for label, p in zip(_labels([os.path.dirname(os.path.abspath(p)) for p in paths]), paths)}
     keys = []
     for log in logs.values():
@@ -865,6 +855,7 @@ def plot_logs(paths, out):
     labels = [l for l in logs if l in handles]
     fig.legend([handles[l] for l in labels], labels, loc="upper center", ncol=min(len(labels), 4), frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / (3.4 * nrows + 0.6)))
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)  # only now: a bad log makes no folder
     _save_figure(fig, path)
     plt.close(fig)
     print(f"wrote {path}")

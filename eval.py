@@ -403,9 +403,12 @@ def validate_args(args):
         if png and args.model:
             raise ValueError(f"--out {args.out}: GLUE (--model without --analysis) writes into a directory; "
                              f"plot into it (--out DIR) or run --plot_log alone")
-        problem = dir_problem((os.path.dirname(args.out) or ".") if png else args.out)
+        if args.plot_log and os.path.splitext(args.out)[1].lower() in (".pdf", ".svg", ".jpg", ".jpeg"):
+            raise ValueError(f"--out {args.out}: --plot_log writes a .png (name one, or a directory)")
+        checked = (os.path.dirname(args.out) or ".") if png else args.out
+        problem = dir_problem(checked)
         if problem:
-            raise ValueError(f"--out {args.out}: {problem}")
+            raise ValueError(f"--out {args.out}: " + (f"{checked} {problem}" if checked != args.out else problem))
 
 
 def subset(ds, n):  # a fixed random subset, not the first rows: CoLA's are sorted by source

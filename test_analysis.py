@@ -565,7 +565,7 @@ def test_a_tokenizer_larger_than_the_model_is_refused(tok, tmp_path):
 
 
 def test_a_model_with_fewer_positions_than_max_len_is_analysed_at_its_own_length(tok, tmp_path, monkeypatch):
-    """--max_len 128 (the default) on a model with 16 positions: cut to 16, as GLUE does, not refused."""
+    """--max_len 128 (the default) on a model with 16 positions: cut to 16, as GLUE does, not refused; given, refused."""
     no_hub(monkeypatch)
     torch.manual_seed(0)
     short = Bert(BertConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, num_layers=2, num_heads=2,
@@ -575,3 +575,6 @@ def test_a_model_with_fewer_positions_than_max_len_is_analysed_at_its_own_length
     text.write_text("\n".join(" ".join(make_text(40)) for _ in range(10)))  # sentences far over 16 tokens
     results = A.run_analysis(SimpleNamespace(model=[model], out=None, text=str(text)))
     assert results["models"]["run"]["max_len"] == 16 and results["models"]["run"]["num_tokens"] > 0
+    # asked for explicitly, a length beyond the model's positions is refused, as GLUE's --max_len is
+    with pytest.raises(ValueError, match="--max_len 128: exceeds"):
+        A.run_analysis(SimpleNamespace(model=[model], out=None, text=str(text), max_len=128))

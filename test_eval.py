@@ -546,6 +546,18 @@ def test_analysis_gets_glue_dir(tmp_path, tiny_model_dir, monkeypatch):
     assert seen["glue_dir"] == str(tmp_path) and seen["model"] == [str(tiny_model_dir)]
 
 
+def test_plot_log_alone_refuses_bad_outputs_and_a_bad_log_makes_no_folder(tmp_path, capsys):
+    (tmp_path / "a_file").write_text("keep me")
+    (tmp_path / "empty.jsonl").write_text("")
+    log = str(tmp_path / "empty.jsonl")
+    assert "no numeric log lines" in run_main_error(["--plot_log", log, "--out", str(tmp_path / "new")], capsys)
+    assert not (tmp_path / "new").exists()
+    err = run_main_error(["--plot_log", log, "--out", str(tmp_path / "a_file" / "x.png")], capsys)
+    assert f"{tmp_path / 'a_file'} is an existing file" in err  # the folder that is a file, named
+    assert "writes a .png" in run_main_error(["--plot_log", log, "--out", str(tmp_path / "p" / "x.pdf")], capsys)
+    assert not (tmp_path / "p").exists() and (tmp_path / "a_file").read_text() == "keep me"
+
+
 def test_plot_log_with_a_model_also_runs_glue(tmp_path, tiny_model_dir, monkeypatch):
     seen = []
     monkeypatch.setattr(ev.analysis, "plot_logs", lambda logs, out: seen.append("plot"))
