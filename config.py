@@ -290,6 +290,8 @@ def validate(cfg):
              f"must be in {'[' if low_in else '('}{low}, {high}{']' if high_in else ')'}")
     # the official sampler.py requires an odd window; an even W would behave as W + 1 (fidelity note 30)
     need(cfg.taco_window % 2 == 1, "taco_window", "must be odd (W = 2k + 1: positives within +-k, as TACO's sampler)")
+    need(cfg.taco_window < 2 * cfg.seq_len, "taco_window", f"must be < 2 x seq_len ({2 * cfg.seq_len}): wider offsets "
+         "leave every row, and their positives would all be the fallback's random tokens of the row")
     need(cfg.seed < 2 ** 64, "seed", "must be < 2**64 (torch seeds are unsigned 64-bit integers)")
     need(cfg.data.strip(), "data", "must name a file, a directory, a glob or a hub dataset")
     need(cfg.warmup_steps <= cfg.max_steps, "warmup_steps", f"must be <= --max_steps {cfg.max_steps}")

@@ -72,7 +72,7 @@ BAD_VALUES = [
     ("log_interval", "0"), ("eval_interval", "0"), ("ckpt_interval", "0"), ("eval_batches", "0"),
     ("batch_size", "0"), ("seq_len", "0"), ("seq_len", "2"), ("tokens_per_step", "0"),
     ("mask_prob", "1.5"), ("mask_prob", "-0.1"), ("mask_prob", "0"), ("taco_window", "0"), ("taco_window", "1"),
-    ("taco_window", "4"),
+    ("taco_window", "4"), ("taco_window", "10001"),
     ("cocolm_crop_fraction", "2"), ("cocolm_crop_fraction", "0"), ("dtype", "fp8"), ("device", "tpu"),
     ("device", "cuda:x"), ("max_steps", "-5"), ("max_steps", "0"), ("lr", "0"), ("lr", "nan"), ("lr", "inf"),
     ("warmup_steps", "50"), ("warmup_steps", "-1"), ("weight_decay", "-0.1"), ("grad_clip", "-1"),
