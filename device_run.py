@@ -701,7 +701,7 @@ def merge(args):
     for archive in args.archives:  # every archive checked before any is merged
         try:
             with tarfile.open(archive) as tar:
-                chunks = {m.name.split("/")[0] for m in tar.getmembers()}  # reads it all: a truncated one fails here
+                chunks = {m.name.split("/")[0] for m in tar.getmembers()}  # a truncated one fails here
         except (OSError, EOFError, tarfile.TarError) as e:
             sys.exit(f"error: {archive}: not a readable archive ({(str(e).splitlines() or [type(e).__name__])[0]})")
         if len(chunks) != 1 or next(iter(chunks)) not in CHUNKS:
@@ -710,8 +710,8 @@ def merge(args):
     for archive in args.archives:
         try:
             print(f"{archive} -> {os.path.join(into, extract(archive, into))}")
-        except ValueError as e:
-            sys.exit(f"error: {e}")
+        except (ValueError, OSError, EOFError, tarfile.TarError) as e:  # a damaged member, a full disk
+            sys.exit(f"error: {archive}: cannot merge into {into} ({(str(e).splitlines() or [type(e).__name__])[0]})")
     records = {c: reproduce.read_json(os.path.join(into, c, "chunk.json")) for c in CHUNKS}
     records = {c: r for c, r in records.items() if r}
     if not records:

@@ -49,7 +49,7 @@ import analysis
 from config import Parser, dir_problem
 from data import load_tokenizer, special_token_ids
 from glue_scores import AVG8, AVG9, MAIN, glue_table, like_for_like, score
-from glue_tasks import TASKS, TaskMissing, load_task
+from glue_tasks import SUBMISSIONS, TASKS, TaskMissing, load_task
 from hf_io import config_to_hf, still_training, write_atomic, write_hf_dir
 from model import Bert
 
@@ -479,6 +479,15 @@ def glue_task(task, raw, args, base, tok, size, overrides, seeds, device, out, m
     return result, predictions
 
 
+def export_identity(path):
+    """The model's real path and its weight files' sizes and times: another model, or the same run directory
+    retrained, is another export."""
+    path = os.path.realpath(path)
+    files = [path] if os.path.isfile(path) else [os.path.join(path, f) for f in sorted(os.listdir(path))
+                                                 if f.endswith((".safetensors", ".bin", ".pt"))]
+    return [path] + [[os.path.basename(f), os.stat(f).st_size, os.stat(f).st_mtime_ns] for f in files]
+
+
 def earlier_results(out, settings, tasks, log):
     """(results, predictions) of an earlier glue.json in `out` for the tasks this call does not redo, when it was
     made with the same settings: `--tasks rte` then `--tasks mrpc` give one table. Made otherwise (another
@@ -495,7 +504,8 @@ def earlier_results(out, settings, tasks, log):
         kept = {t: r for t, r in old["tasks"].items() if t not in tasks and isinstance(r, dict) and r.get("status") == "ok"}
         if kept:
             log(f"note: {path} holds {', '.join(kept)} from the same export and settings: kept in the table")
-        return kept, old.get("predictions") if isinstance(old.get("predictions"), dict) else {}
+        predicted = old.get("predictions") if isinstance(old.get("predictions"), dict) else {}
+        return kept, {stem: p for stem, p in predicted.items() if SUBMISSIONS.get(stem, ("",))[0] in kept}
     k = 1
     while os.path.exists(os.path.join(out, f"glue.{k}.json")):
         k += 1
@@ -563,10 +573,12 @@ def run_glue(args, log=print):
     if not loaded:
         raise ValueError("no GLUE task could be scored: " + "; ".join(f"{n}: {r['reason']}" for n, r in missing.items()))
     settings = json.loads(json.dumps(dict(  # what makes two calls' scores one table (JSON types, as read back)
-        training_step=base.training_step, recipe=args.recipe, protocol=protocol, seeds=seeds, fixed=fixed,
+        model=export_identity(args.model), model_size=size, training_step=base.training_step, recipe=args.recipe,
+        protocol=protocol, seeds=seeds, fixed=fixed,
         max_train_samples=args.max_train_samples, max_eval_samples=args.max_eval_samples,
         group_by_length=args.group_by_length, data=os.path.abspath(args.glue_dir) if args.glue_dir else "hub")))
-    results, predictions = earlier_results(out, settings, [t.name for t in tasks], log)
+    results, earlier_predictions = earlier_results(out, settings, [t.name for t in tasks], log)
+    predictions = {}  # this call's leaderboard files
     t_all = time.time()
 
     def write_report(not_run=()):
@@ -591,8 +603,8 @@ def run_glue(args, log=print):
         report["avg8"] = {stat: like_for_like(v, AVG8, present=v) for stat, v in values.items()}
         report["missing"] = [n for n, r in results.items() if r["status"] == "missing"]
         report["not_run"] = list(not_run)
-        if predictions:
-            report["predictions"] = predictions
+        if predictions or earlier_predictions:
+            report["predictions"] = {**earlier_predictions, **predictions}
         table = glue_table(report, compare=args.compare)
         os.makedirs(out, exist_ok=True)
         write_atomic(os.path.join(out, "glue.json"), json.dumps(report, indent=2))

@@ -65,7 +65,8 @@ def scale_flags_hint(cfg):
     """Where a run diverged with one of SCALE_FLAGS moved off its preset, the line names it too."""
     from config import PRESETS  # here: config is the flags' module, and this one serves train.py's loop
     default = type(cfg)(**PRESETS.get(cfg.preset, {}))
-    moved = [f"--{k} {getattr(cfg, k):g}" for k in SCALE_FLAGS if getattr(cfg, k) != getattr(default, k)]
+    used = lambda k: k.split("_")[0] not in ("taco", "tacl", "cocolm", "electra") or k.startswith(cfg.objective + "_")
+    moved = [f"--{k} {getattr(cfg, k):g}" for k in SCALE_FLAGS if used(k) and getattr(cfg, k) != getattr(default, k)]
     return f"; or undo {', '.join(moved)} (off the preset's value)" if moved else ""
 
 

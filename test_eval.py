@@ -759,6 +759,12 @@ def test_a_second_call_extends_glue_json_or_moves_it_aside(tmp_path, tiny_model_
     assert set(json.loads((out / "glue.json").read_text())["tasks"]) == {"stsb"}
     assert set(json.loads((out / "glue.1.json").read_text())["tasks"]) == {"cola", "stsb"}
     assert (out / "glue.1.md").is_file() and "moved to glue.1.json" in capsys.readouterr().out
+    # another model at the same step, same settings: another export, so moved aside as well
+    other = tmp_path / "other_model"
+    shutil.copytree(tiny_model_dir, other)
+    ev.main(["--model", str(other), "--glue_dir", glue, "--out", str(out), "--tasks", "cola", "--seeds", "2"])
+    assert set(json.loads((out / "glue.json").read_text())["tasks"]) == {"cola"}
+    assert set(json.loads((out / "glue.2.json").read_text())["tasks"]) == {"stsb"}
 
 
 def test_an_unwritable_model_directory_is_refused_before_fine_tuning(tmp_path, tiny_model_dir, capsys, monkeypatch):

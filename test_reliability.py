@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import config
 import data
 import hf_io
 import losses
@@ -207,6 +208,9 @@ def test_a_divergence_names_the_loss_scaling_flags_that_moved(corpus, cache, tmp
                                   taco_temperature=1e-30, log_interval=1), capsys)
     assert code == 1
     one_error(err, "non-finite loss", "lower learning rate", "or undo --taco_temperature 1e-30")
+    import monitor  # a flag of another objective is not named: it did nothing to this run
+    cfg = config.TrainConfig(objective="mlm", taco_temperature=1e-30, adam_eps=1e-300)
+    assert monitor.scale_flags_hint(cfg) == "; or undo --adam_eps 1e-300 (off the preset's value)"
 
 
 class InfGrad(torch.autograd.Function):
