@@ -20,6 +20,7 @@ What it guarantees:
 Tests that hold it to this: test_corpus.py (each format and marker, bad paths, unreadable files, brackets
 in paths, the offline hub, read_text of a broken .xz) and test_data.py's test_sample_corpus (WikiText headings).
 """
+import errno
 import glob
 import hashlib
 import logging
@@ -127,6 +128,12 @@ def _load_local(datasets, builder, split_files, hf_cache):
     try:
         return datasets.load_dataset(builder, data_files=escaped, cache_dir=hf_cache)
     except Exception as e:
+        chain = [e]
+        while len(chain) < 8 and (chain[-1].__cause__ or chain[-1].__context__):  # datasets wraps what it hit
+            chain.append(chain[-1].__cause__ or chain[-1].__context__)
+        if any(isinstance(x, OSError) and x.errno == errno.ENOSPC for x in chain):  # the cache's disk, not the corpus
+            raise ValueError(f"no space left on the device of the cache {hf_cache} while datasets read "
+                             f"{', '.join(split_files.values())}: free some, or pass --cache_dir elsewhere") from None
         culprit, problem = ", ".join(split_files.values()), _read_problem(e)
         if len(split_files) > 1:  # find the file to blame, one at a time (error path only)
             for name, f in split_files.items():

@@ -260,3 +260,20 @@ def test_read_text_of_a_broken_xz_is_one_clear_error(tmp_path, content):
     (tmp_path / "t.txt.xz").write_bytes(content)
     with pytest.raises(ValueError, match=r"t.txt.xz: not a readable .xz file"):
         corpus.read_text(tmp_path / "t.txt.xz")
+
+
+def test_a_full_cache_disk_blames_the_cache_not_the_corpus(tmp_path, monkeypatch):
+    import errno
+    import datasets
+
+    def full_disk(*args, **kwargs):  # datasets wraps what it hit while writing its arrow cache
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError as e:
+            raise datasets.exceptions.DatasetGenerationError("An error occurred while generating the dataset") from e
+    monkeypatch.setattr(datasets, "load_dataset", full_disk)
+    (tmp_path / "good.txt").write_text("fine text\n")
+    with pytest.raises(ValueError) as info:
+        corpus._load_local(datasets, "text", {"train": str(tmp_path / "good.txt")}, str(tmp_path / "hf"))
+    message = str(info.value)
+    assert "no space left on the device of the cache" in message and "--cache_dir" in message, message
