@@ -18,15 +18,14 @@ the stream cut into non-overlapping windows of T-2, read in one seeded permutati
 
 The machinery lives in support modules that the algorithm does not need: corpus.py reads --data (files,
 globs, compressed files, hub datasets; where documents start; one clear error per bad file), token_files.py
-reads and writes tokenizer files and tokenizes the corpus once into cache_dir, reusing that cache only once
-it has checked it, and glue_tasks.py holds eval.py's GLUE task table and readers.
+fixes the tokenizer's alphabet, reads and writes tokenizer files and tokenizes the corpus once into
+cache_dir, reusing that cache only once it has checked it, and glue_tasks.py holds eval.py's GLUE task
+table and readers.
 """
 import math
 import os
-import string
 import sys
 import time
-import unicodedata
 from pathlib import Path
 
 import numpy as np
@@ -178,31 +177,6 @@ def _add_template(tok):
         single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
         special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
 
-def _alphabet(texts, normalizer, limit):
-    """The `limit` most frequent characters after normalization (ties by code point), and those of
-    them that can continue a word (not punctuation, not CJK, which the pre-tokenizer isolates)."""
-    counts, buffer = np.zeros(0x110000, dtype=np.int64), []
-    def count(strings):  # numpy on code points: 0.4 s for 20 MB of Wikipedia, 6.5 s via normalize_str
-        codes = np.frombuffer("".join(strings).encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
-        found = np.bincount(codes)
-        counts[:len(found)] += found
-    for item in texts:
-        buffer.extend([item] if isinstance(item, str) else [t for t in item if t])
-        if len(buffer) >= 4096:
-            count(buffer)
-            buffer = []
-    count(buffer)
-    # normalizing each distinct raw character = normalizing the text: BertNormalizer is per character
-    normalized = {}
-    for code in np.flatnonzero(counts):
-        for c in normalizer.normalize_str(chr(code)):
-            if not c.isspace():
-                normalized[c] = normalized.get(c, 0) + int(counts[code])
-    kept = sorted(sorted(normalized, key=lambda c: (-normalized[c], c))[:limit])
-    continuing = [c for c in kept if normalizer.normalize_str(c) == c and c not in string.punctuation
-                  and not unicodedata.category(c).startswith("P")]
-    return kept, continuing
-
 def train_tokenizer(texts, vocab_size=30522, save_dir=None):
     """Train an uncased BERT WordPiece tokenizer, deterministically.
 
@@ -219,7 +193,7 @@ def train_tokenizer(texts, vocab_size=30522, save_dir=None):
     # (initial_alphabet with limit_alphabet = its size) and the "##x" ids (passed as leading special
     # tokens, demoted to ordinary vocabulary below) makes every id reproducible. (Two trainings by
     # `tokenizers` alone on the same 20 MB of Wikipedia gave 5,711 of 30,522 ids differently; fidelity note 8.)
-    alphabet, continuing = _alphabet(read(), tok.normalizer, LIMIT_ALPHABET)
+    alphabet, continuing = token_files.alphabet(read(), tok.normalizer, LIMIT_ALPHABET)
     if not alphabet:
         raise ValueError("no text")
     trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, continuing_subword_prefix="##",

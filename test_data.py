@@ -88,7 +88,7 @@ def test_training_is_deterministic():
 def test_alphabet_limit_ties_are_deterministic():
     # 30 characters seen once each, only 10 kept: ties broken by code point, not by hash order
     rare = "".join(chr(0x3b1 + i) for i in range(20)) + "klmnopqrst"
-    alphabet, continuing = data._alphabet([["AAA bbb cCc", rare]], BertNormalizer(lowercase=True), limit=13)
+    alphabet, continuing = token_files.alphabet([["AAA bbb cCc", rare]], BertNormalizer(lowercase=True), limit=13)
     assert alphabet == sorted(["a", "b", "c"] + sorted(rare)[:10])
     assert continuing == alphabet
 
