@@ -230,10 +230,24 @@ RANGES = dict(mask_prob=(0, 1, False, False), dropout=(0, 1, True, False), beta2
               cocolm_crop_fraction=(0, 1, False, True), val_fraction=(0, 0.5, False, True))
 
 
+def pool_problem(cfg, pool):
+    """(flag, why) when `pool` sequences cannot be TACO's or COCO-LM's negative pool (losses.pool_size), else
+    None: asked of the flags before a run, and of what each process gets once the world size caps its batch."""
+    if cfg.objective not in ("taco", "cocolm"):
+        return None
+    if pool < 2:
+        return "batch_size", ("TACO and COCO-LM's SCL draw negatives from the other sequences of their pool: they "
+                              f"need a pool (negative_pool, else batch_size) of >= 2 sequences, not {pool}")
+    candidates = (pool - 1) * cfg.seq_len  # tokens in the other rows of a pool
+    if cfg.objective == "taco" and cfg.taco_negatives > candidates:
+        return "taco_negatives", (f"must be <= {candidates:,}, the tokens of the other rows of a pool of {pool} "
+                                  "((pool - 1) x seq_len): more would only repeat them, at B x T x K memory (paper: 50)")
+    return None
+
+
 def micro_batching(cfg, world):
     """(sequences per micro-step per process, micro-steps per optimizer step). tokens_per_step fixes
     the global batch; batch_size is a memory cap, lowered when `world` processes would exceed it."""
-    from losses import pool_problem
     batch_size = cap = min(cfg.batch_size, max(1, cfg.tokens_per_step // (cfg.seq_len * world)))
     if cfg.negative_pool and cfg.objective in ("taco", "cocolm"):
         # whole pools per process, so the negatives (and the objective) are the same on any layout
@@ -268,7 +282,7 @@ def batch_note(cfg, batch_size, world):
 def validate(cfg):
     """Every flag's value checked once, before the run writes anything: a violation is a ValueError
     naming the flag, its value and what is allowed (main() prints it as one `error:` line, exit 2)."""
-    from losses import LOSSES, pool_problem
+    from losses import LOSSES
 
     def need(ok, name, allowed):
         if not ok:
@@ -295,7 +309,7 @@ def validate(cfg):
     need(cfg.seed < 2 ** 64, "seed", "must be < 2**64 (torch seeds are unsigned 64-bit integers)")
     need(cfg.data.strip(), "data", "must name a file, a directory, a glob or a hub dataset")
     need(cfg.warmup_steps <= cfg.max_steps, "warmup_steps", f"must be <= --max_steps {cfg.max_steps}")
-    problem = pool_problem(cfg, cfg.negative_pool or cfg.batch_size)  # losses.py: the pool's one rule
+    problem = pool_problem(cfg, cfg.negative_pool or cfg.batch_size)  # the flags' pool, before any process count
     if problem:
         need(False, *problem)
     need(cfg.objective != "tacl" or cfg.init_from or cfg.resume, "init_from",

@@ -1,23 +1,20 @@
 """
-Pretraining objectives, one nn.Module each (MLM and TACO own no parameters; one interface lets train.py
-treat all five alike), built as LOSSES[name](model, cfg) (cfg: config.TrainConfig,
-where each hyperparameter's default and source are) and called as
-`loss, metrics = objective(model, batch, rng)`: MLM (Devlin et al., 2019), TACO (Fu et al., ACL 2022),
-TaCL (Su et al., Findings of NAACL 2022), COCO-LM (Meng et al., NeurIPS 2021) and ELECTRA (Clark et
-al., ICLR 2020). Each docstring names its equations; every deviation from an official implementation
-has a comment line here and a numbered entry in docs/fidelity.md ("fidelity note N").
+Pretraining objectives, one nn.Module each (MLM and TACO own no parameters; one interface lets train.py treat all
+five alike), built as LOSSES[name](model, cfg) (cfg: config.TrainConfig, where each hyperparameter's default and
+source are) and called as `loss, metrics = objective(model, batch, rng)`: MLM (Devlin et al., 2019), TACO (Fu et
+al., ACL 2022), TaCL (Su et al., Findings of NAACL 2022), COCO-LM (Meng et al., NeurIPS 2021) and ELECTRA (Clark
+et al., ICLR 2020). Each docstring names its equations; every deviation from an official implementation has a
+comment line here and a numbered entry in docs/fidelity.md ("fidelity note N").
 
-- model is the Bert (or torch.compile(model): attributes pass through); an objective calls
-  model(...) and model.mlm_logits(...) but never stores it, so the encoder's weights stay out
-  of objective.state_dict(). What an objective owns (generator, heads, TaCL's teacher) is a
-  submodule, in objective.parameters() and objective.state_dict().
-- Every random draw uses the torch.Generator `rng`: seeding it makes a step reproducible,
-  and a test can replay the draws by calling the same sampling helpers with the same seed.
-- Fixed shapes and no host syncs: masking selects exactly round(p * eligible) positions per
-  row into K = ceil(p * T) slots (unused slots have label -100), so a compiled model never
-  sees a new shape and metrics stay on the device until train.py logs them.
-- train.py's packed blocks carry no attention_mask: the padding paths serve padded inputs (the tests,
-  your own data).
+- model is the Bert (or torch.compile(model): attributes pass through); an objective calls model(...) and
+  model.mlm_logits(...) but never stores it, so the encoder's weights stay out of objective.state_dict(). What an
+  objective owns (generator, heads, TaCL's teacher) is a submodule, in objective.parameters() and state_dict().
+- Every random draw uses the torch.Generator `rng`: seeding it makes a step reproducible, and a test can replay
+  the draws by calling the same sampling helpers with the same seed.
+- Fixed shapes and no host syncs: masking selects exactly round(p * eligible) positions per row into
+  K = ceil(p * T) slots (unused slots have label -100), so a compiled model never sees a new shape and metrics
+  stay on the device until train.py logs them.
+- train.py's packed blocks carry no attention_mask: the padding paths serve padded inputs (the tests, your data).
 """
 import copy
 import functools
@@ -148,12 +145,10 @@ def masked_bce(logits, targets, mask):
 
 
 def pool_size(negative_pool, batch_size, minimum=1):
-    """Rows that share one pool of negatives (TACO) or one NT-Xent batch (COCO-LM's SCL): groups of
-    negative_pool consecutive rows of the per-process micro-batch; 0 = the whole micro-batch (the official
-    codes). A fixed pool makes the objective the same on 1 or 16 GPUs and with any gradient accumulation.
-    TACO needs a `minimum` of 2 rows (its negatives come from the other rows); COCO-LM's NT-Xent computes on
-    one (its two views, no negative: loss 0), which pool_problem refuses before a run as it does TACO's.
-    This and pool_problem are the pool's one rule: config.py asks them."""
+    """Rows that share one pool of negatives (TACO) or one NT-Xent batch (COCO-LM's SCL): groups of negative_pool
+    consecutive rows of the per-process micro-batch; 0 = the whole micro-batch (the official codes). A fixed pool
+    makes the objective the same on 1 or 16 GPUs and with any gradient accumulation. TACO needs a `minimum` of 2
+    rows; COCO-LM's NT-Xent computes on one (no negative: loss 0), which config.pool_problem refuses, as TACO's."""
     if negative_pool < 0 or (negative_pool and batch_size % negative_pool):
         raise ValueError(f"negative_pool {negative_pool} must divide the per-process batch size {batch_size} "
                          f"(0 = the whole micro-batch)")
@@ -162,21 +157,6 @@ def pool_size(negative_pool, batch_size, minimum=1):
         raise ValueError(f"the pool is {pool} sequence(s): TACO draws negatives from the other sequences of its "
                          f"pool, it needs batch size and negative_pool >= {minimum}")
     return pool
-
-
-def pool_problem(cfg, pool):
-    """(flag, why) when `pool` sequences cannot be TACO's or COCO-LM's negative pool, else None: asked of
-    the flags before a run, and of what each process gets once the world size caps its batch."""
-    if cfg.objective not in ("taco", "cocolm"):
-        return None
-    if pool < 2:
-        return "batch_size", ("TACO and COCO-LM's SCL draw negatives from the other sequences of their pool: they "
-                              f"need a pool (negative_pool, else batch_size) of >= 2 sequences, not {pool}")
-    candidates = (pool - 1) * cfg.seq_len  # tokens in the other rows of a pool
-    if cfg.objective == "taco" and cfg.taco_negatives > candidates:
-        return "taco_negatives", (f"must be <= {candidates:,}, the tokens of the other rows of a pool of {pool} "
-                                  "((pool - 1) x seq_len): more would only repeat them, at B x T x K memory (paper: 50)")
-    return None
 
 
 # ------------------------------------------------------------------------------------------
@@ -327,7 +307,7 @@ class TaCL(nn.Module):
 
     def train(self, mode=True):
         super().train(mode)
-        self.teacher.eval()  # official code leaves its dropout on; its maintainer agreed eval() may be needed (#11; note 13)
+        self.teacher.eval()  # the official code leaves its dropout on; its maintainer agreed (#11; fidelity note 13)
         return self
 
     def forward(self, model, batch, rng):
@@ -367,11 +347,11 @@ def sample_tokens(logits, rng):
 def generator_config(config, cfg):
     """The generator's BertConfig and depth for cfg.gen_shape; cfg.gen_layers > 0 overrides the depth.
     "cocolm": the main width, max(1, round(L/3)) layers (COCO-LM §4: 4 for base).
-    "electra": L layers at 1/4 of the width (1/3 for base), heads = width/64, FFN = 4x width
-    (ELECTRA §3.2 and Table 6: 1/4 small and large, 1/3 base; official get_generator_config). Not
-    reproduced: ELECTRA-Small's factorised 128-wide embeddings; ours are the main width (fidelity note 19)."""
+    "electra": L layers at 1/4 of the width (1/3 for base), heads = width/64, FFN = 4x width (ELECTRA §3.2 and
+    Table 6; official get_generator_config). Not reproduced: ELECTRA-Small's factorised 128-wide embeddings; ours
+    are the main width (fidelity note 19)."""
     shape = cfg.gen_shape
-    if shape == "cocolm":  # the released configs use 4 of 12 (base), 4 of 24 (large), 2 of 12 (small) (fidelity note 31)
+    if shape == "cocolm":  # released configs: 4 of 12 layers (base), 4 of 24 (large), 2 of 12 (small); fidelity note 31
         gen_config, num_layers = config, max(1, round(config.num_layers / 3))
     elif shape == "electra":
         width = round(config.hidden_size * (1 / 3 if config.hidden_size == 768 else 1 / 4))
@@ -518,16 +498,15 @@ class COCOLM(nn.Module):
     """COCO-LM (Meng et al., NeurIPS 2021, §3): corrective LM + sequence contrastive learning.
 
     1. A generator (gen_shape "cocolm": same width, max(1, round(L/3)) layers, shared embeddings) does MLM on x~
-       (80/10/10 masking; 100% [MASK] with cocolm_mask_all): L_gen. Its samples at the masked positions M, drawn from a dropout-off
-       forward, give x^MLM (no gradient).
-    2. The main model on x^MLM -> h. Copy head p_copy(1|h_i) = sigmoid(w.h_i + b), "token is
-       original": L_copy = mean BCE over non-pad positions, orig_i = 1[x^MLM_i = x_i].
+       (80/10/10 masking; 100% [MASK] with cocolm_mask_all): L_gen. Its samples at the masked positions M, drawn
+       from a dropout-off forward, give x^MLM (no gradient).
+    2. The main model on x^MLM -> h. Copy head p_copy(1|h_i) = sigmoid(w.h_i + b), "token is original":
+       L_copy = mean BCE over non-pad positions, orig_i = 1[x^MLM_i = x_i].
     3. LM head = tied embeddings + bias, no transform, on M: L_LM = mean over M of
        -log(orig_i sg(p_copy(1|h_i)) + sg(p_copy(0|h_i)) softmax(LM(h_i))[x_i]), sg = stop-gradient.
        (The authors' issue-#2 skeleton instead weights a plain CE by sg(p_copy(0|h)); fidelity note 15.)
-    4. SCL: x^MLM and a 90% contiguous crop of x, [CLS] through dense -> GELU -> LayerNorm,
-       NT-Xent over the 2B views at tau = 1: L_SCL. With negative_pool P > 0, over the 2P views of
-       each group of P consecutive rows instead (a batch size that does not depend on the GPU count).
+    4. SCL: x^MLM and a 90% contiguous crop of x, [CLS] through dense -> GELU -> LayerNorm, NT-Xent over the
+       2B views at tau = 1: L_SCL (with negative_pool P > 0, over the 2P views of each P consecutive rows).
     L = L_gen + lambda_copy * L_copy + L_LM + L_SCL. The main model's own MLM head is unused.
     The official repository releases this forward and the heads, not the task and criterion (the masking
     recipe, the crop, the loss reduction): those are the paper's §3 as we read it (fidelity notes 27, 28).
@@ -627,12 +606,10 @@ def gather_dot(anchor, targets, index):
 
 @functools.cache
 def fused_gather_dot():
-    """gather_dot as one compiled kernel (CUDA, --compile): each negative is read from `targets` and summed in
-    fp32, never written out. targets are fp32 even under autocast (g comes from LayerNorms, which CUDA autocast
-    runs in fp32): 64 MB at b256 s128 on BERT-small, above an H100's 50 MB L2; bf16 targets would fit, untried.
-    Built on first use: importing the compiler costs seconds, and CPU runs stay eager. Written as a product
-    and a sum, not gather_dot's einsum: the same speed on CPU, and no reliance on the compiler not lowering the
-    einsum to a batched matmul of the gathered (B, T, K, D) tensor on the GPU."""
+    """gather_dot as one compiled kernel (CUDA, --compile): each negative is read from `targets` and summed in fp32,
+    never written out. targets are fp32 under autocast too (g comes from LayerNorms): 64 MB at b256 s128 on
+    BERT-small, above an H100's 50 MB L2 (bf16 would fit, untried). Built on first use (the compiler's import costs
+    seconds). A product and a sum, not an einsum the compiler could lower to a matmul of the gathered tensor."""
     return torch.compile(lambda anchor, targets, index: (anchor[:, :, None, :] * upcast(targets[index])).sum(-1),
                          dynamic=False)
 
@@ -641,11 +618,11 @@ NEGATIVE_CHUNK_FLOATS = 2 ** 20  # 4 MB of fp32 per chunk of gathered negatives 
 
 
 class NegativeDots(torch.autograd.Function):
-    """gather_dot for all K negatives without a (B, T, K, D) tensor: 3.4 GB in fp32 at b256 s128 on
-    BERT-small with K = 50, which autograd kept for backward. Forward: fused_gather_dot if `fused`, else
-    K in chunks of NEGATIVE_CHUNK_FLOATS gathered floats, at least one negative (3-4x faster than one gather on CPU).
-    Backward: the anchor's gradient sum_k grad_k targets[n_k] is a weighted embedding bag; the targets'
-    (taco_stop_grad=False only) an index_add per chunk. Same values and gradients as gather_dot (test_losses.py)."""
+    """gather_dot for all K negatives without a (B, T, K, D) tensor (3.4 GB in fp32 at b256 s128 on BERT-small with
+    K = 50, which autograd kept for backward). Forward: fused_gather_dot if `fused`, else K in chunks of
+    NEGATIVE_CHUNK_FLOATS gathered floats (3-4x faster than one gather on CPU). Backward: the anchor's gradient
+    sum_k grad_k targets[n_k] is a weighted embedding bag; the targets' (taco_stop_grad=False only) an index_add per
+    chunk. Same values and gradients as gather_dot (test_losses.py)."""
 
     @staticmethod
     def forward(ctx, anchor, targets, negatives, fused=False):
