@@ -52,6 +52,7 @@ import threading
 import time
 
 import reproduce  # torch-free: this file must run before the wheels are installed
+from corpus import first_line  # standard library only at import, as reproduce
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DATA_DIR = ".repro_data"  # git-ignored: the one folder carried to the device machine
@@ -703,7 +704,7 @@ def merge(args):
             with tarfile.open(archive) as tar:
                 chunks = {m.name.split("/")[0] for m in tar.getmembers()}  # a truncated one fails here
         except (OSError, EOFError, tarfile.TarError) as e:
-            sys.exit(f"error: {archive}: not a readable archive ({(str(e).splitlines() or [type(e).__name__])[0]})")
+            sys.exit(f"error: {archive}: not a readable archive ({first_line(e)})")
         if len(chunks) != 1 or next(iter(chunks)) not in CHUNKS:
             sys.exit(f"error: {archive}: not an archive of device_run.py (its top folders: {sorted(chunks)[:3]})")
     os.makedirs(into, exist_ok=True)
@@ -711,7 +712,7 @@ def merge(args):
         try:
             print(f"{archive} -> {os.path.join(into, extract(archive, into))}")
         except (ValueError, OSError, EOFError, tarfile.TarError) as e:  # a damaged member, a full disk
-            sys.exit(f"error: {archive}: cannot merge into {into} ({(str(e).splitlines() or [type(e).__name__])[0]})")
+            sys.exit(f"error: {archive}: cannot merge into {into} ({first_line(e)})")
     records = {c: reproduce.read_json(os.path.join(into, c, "chunk.json")) for c in CHUNKS}
     records = {c: r for c, r in records.items() if r}
     if not records:
