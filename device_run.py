@@ -37,6 +37,7 @@ size, prepare on a fake shared folder, the budget against eval.py's recipes).
 """
 import argparse
 import datetime
+import gzip
 import hashlib
 import json
 import math
@@ -701,6 +702,9 @@ def merge(args):
         sys.exit(f"error: --into {args.into}: a file, not a folder")
     for archive in args.archives:  # every archive checked before any is merged
         try:
+            with gzip.open(archive) as f:  # read to the end: gzip's CRC catches bytes damaged on the way back
+                while f.read(1 << 20):
+                    pass
             with tarfile.open(archive) as tar:
                 chunks = {m.name.split("/")[0] for m in tar.getmembers()}  # a truncated one fails here
         except (OSError, EOFError, tarfile.TarError) as e:
@@ -895,6 +899,9 @@ def main(argv=None):
     m.add_argument("archives", nargs="*", help="CHUNK.tar.gz files (none: rebuild the report of what is merged)")
     m.add_argument("--into", default=os.path.join(HERE, "results", "mini"))
     sub.add_parser("budget", help="each chunk's expected device time")
+    words = sys.argv[1:] if argv is None else argv
+    if words and words[0].startswith("-") and words[0] not in ("-h", "--help"):  # argparse would say "command required"
+        p.error(f"{words[0]}: the first word is the command, one of prepare, run, merge, budget")
     args = p.parse_args(argv)
     args.argv = argv
     if args.command == "prepare":

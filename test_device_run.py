@@ -278,10 +278,14 @@ def test_bad_archives_and_folders_are_one_error_line_and_merge_nothing(tmp_path,
         tar.add(tmp_path / "mlm-taco", arcname="mlm-taco")
     whole = (tmp_path / "whole.tar.gz").read_bytes()
     (tmp_path / "truncated.tar.gz").write_bytes(whole[:len(whole) // 2])
+    damaged = bytearray(whole)
+    damaged[len(whole) // 2] ^= 0xFF  # inside a stored deflate block: the tar headers still read, the CRC does not
+    (tmp_path / "damaged.tar.gz").write_bytes(bytes(damaged))
     (tmp_path / "FILE").write_text("a file")
     for argv, needle in [(["merge", str(tmp_path / "missing.tar.gz")], "not a readable archive"),
                          (["merge", str(tmp_path / "random.tar.gz")], "not a readable archive"),
                          (["merge", str(tmp_path / "truncated.tar.gz")], "not a readable archive"),
+                         (["merge", str(tmp_path / "damaged.tar.gz")], "not a readable archive"),
                          (["merge", str(tmp_path / "foreign.tar.gz")], "not an archive of device_run.py"),
                          (["merge", str(tmp_path / "whole.tar.gz"), "--into", str(tmp_path / "FILE")], "not a folder"),
                          (["run", "mlm-taco", "--toy", "--out", str(tmp_path / "FILE")], "not a folder")]:
@@ -290,3 +294,10 @@ def test_bad_archives_and_folders_are_one_error_line_and_merge_nothing(tmp_path,
         message = str(stop.value.code)
         assert message.startswith("error: ") and needle in message and "\n" not in message, (argv, message)
     assert not into.exists()  # nothing was merged, not even an empty folder
+
+
+def test_a_flag_before_the_command_is_named(capsys):
+    with pytest.raises(SystemExit) as stop:
+        device_run.main(["--bogus"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith("error: --bogus: the first word is the command") and err.count("\n") == 1
