@@ -1,6 +1,6 @@
 """
-What a pretraining batch is, and how text becomes one: the WordPiece tokenizer, text -> one token stream
-(prepare_data), the train/validation split and BlockLoader.
+What a pretraining batch is, and how text becomes one, in the file's order: BlockLoader (the batches), text
+-> one token stream (prepare_data) and the train/validation split, the WordPiece tokenizer.
 
 A batch is a (B, T) int64 tensor of token ids, T = seq_len (128 by default). Each row is [CLS], then T-2
 consecutive tokens of the stream, then [SEP]. Rows are packed: a row may span several documents (one [SEP]

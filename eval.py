@@ -80,7 +80,7 @@ def write_submission(path, task, index, preds):
     """A GLUE leaderboard file: header index<TAB>prediction, the test file's index and order, GLUE's
     label names (entailment/..., 0/1) and STS-B scores clipped to [0, 5]."""
     if task.labels is None:
-        values = [f"{min(5.0, max(0.0, float(p))):.3f}" for p in preds]
+        values = [f"{min(5.0, max(0.0, float(p))):.3f}" for p in preds]  # fidelity note 36
     else:
         names = {i: name for name, i in task.labels.items()}
         values = [names[int(p)] for p in preds]
@@ -184,11 +184,12 @@ NUM_COMBOS = 6
 # finetune_small.sh, finetune_base.sh), fp32 as they run (no --fp16 flag).
 UNIFORM = {"small": dict(lr=5e-5, batch_size=32, epochs=4, warmup=100),
            "base": dict(lr=3e-5, batch_size=32, epochs=6, warmup=100)}
-# --recipe short (ours): for briefly pretrained models (the cpu and mini scales), one recipe for every task.
-# Table 7's 5e-5 for 4 epochs was tuned for BERT-small after 250k steps; a model pretrained for a few thousand
-# steps barely moves under it and predicts one class (docs/glue.md). The lr was chosen on the cpu-scale MLM
-# baseline alone (3e-4 / 1e-3 / 3e-3: the best average with no collapsed task; results/cpu/short_recipe.md),
-# before any other objective was fine-tuned with it; epochs not swept; warm-up 10% of all steps.
+# --recipe short (ours; fidelity note 35): for briefly pretrained models (the cpu and mini scales), one recipe
+# for every task. Table 7's 5e-5 for 4 epochs was tuned for BERT-small after 250k steps; a model pretrained
+# for a few thousand steps barely moves under it and predicts one class (docs/glue.md). The lr was chosen on
+# the cpu-scale MLM baseline alone (3e-4 / 1e-3 / 3e-3: the best average with no collapsed task;
+# results/cpu/short_recipe.md), before any other objective was fine-tuned with it; epochs not swept; warm-up
+# 10% of all steps.
 SHORT = dict(lr=1e-3, batch_size=32, epochs=4, warmup=0.1)
 HPARAMS = ("lr", "batch_size", "epochs", "warmup", "max_len", "dropout", "weight_decay", "precision")  # flags
 
@@ -226,10 +227,10 @@ def schedule_steps(hp, n_train, n_full, warmup_flag=False):
     warmup, note = hp["warmup"], None
     if warmup < 1:
         warmup = round(warmup * total)
-    elif n_train < n_full and not warmup_flag:
+    elif n_train < n_full and not warmup_flag:  # fidelity note 34
         warmup = max(1, round(warmup * n_train / n_full))
     warmup = int(warmup)
-    if warmup >= total:
+    if warmup >= total:  # fidelity note 33
         note = f"warm-up {warmup} >= all {total} steps, cut to {total // 10} (10%)"
         warmup = total // 10
     return total, warmup, note

@@ -84,7 +84,7 @@ def mask_tokens(input_ids, config, rng, mask_prob=0.15, mask_frac=0.8, random_fr
     scores = torch.rand(B, T, generator=rng, device=device).masked_fill(~eligible, -1.0)
     positions = scores.topk(num_slots, dim=1).indices  # (B, K), distinct within a row
     used = torch.arange(num_slots, device=device) < num_masked[:, None]  # (B, K)
-    original = input_ids.gather(1, positions)
+    original = input_ids.gather(1, positions)  # (B, K)
     # one uniform per slot splits the selected into [MASK] / random / unchanged
     split = torch.rand(B, num_slots, generator=rng, device=device)
     random_tokens = random_real_tokens((B, num_slots), config, rng, device)
@@ -195,6 +195,7 @@ def taco_samples(valid, window, num_negatives, rng, pool=0):
     row_start = count.cumsum(0) - count  # non-pad positions before each row
 
     def nth_valid(row, rank):  # flat index of the rank-th (0-based) non-pad position of `row`
+        # clamp: a one-token row's fallback asks for a rank it lacks; TACO.forward drops that anchor
         return torch.searchsorted(cum, row_start[row] + rank + 1).clamp(max=B * T - 1)
 
     rows = torch.arange(B, device=device)[:, None].expand(B, T)
@@ -202,21 +203,22 @@ def taco_samples(valid, window, num_negatives, rng, pool=0):
     # positive: a window offset, skipping 0
     half = window // 2
     draw = torch.randint(2 * half, (B, T), generator=rng, device=device)
-    pos_col = cols + draw - half + (draw >= half).long()
+    pos_col = cols + draw - half + (draw >= half).long()  # (B, T)
     inside = (pos_col >= 0) & (pos_col < T)
     pos_col = pos_col.clamp(0, T - 1)
     inside = inside & valid.gather(1, pos_col)
     # fallback: a uniform other non-pad position of the same row (skip the anchor's own rank)
     own_rank = cum.view(B, T) - row_start[:, None] - 1
-    rank = uniform_int(count[:, None].expand(B, T) - 1, rng)
+    rank = uniform_int(count[:, None].expand(B, T) - 1, rng)  # (B, T), among the row's other positions
     fallback = nth_valid(rows, rank + (rank >= own_rank).long())
     positive = torch.where(inside, rows * T + pos_col, fallback)
     # negatives: another row of the anchor's pool (skip the anchor's own), then a non-pad position of it
     pool = pool or B
     pool_row = rows % pool  # the anchor's row within its pool; pool == B draws exactly as the official sampler
-    neg_row = torch.randint(pool - 1, (B, T, num_negatives), generator=rng, device=device)
+    neg_row = torch.randint(pool - 1, (B, T, num_negatives), generator=rng, device=device)  # (B, T, K)
+    # a draw at or past the anchor's own pool row moves up one (skip it), then shifts to the pool's first row
     neg_row = neg_row + (neg_row >= pool_row[..., None]).long() + (rows - pool_row)[..., None]
-    negatives = nth_valid(neg_row, uniform_int(count[neg_row], rng))
+    negatives = nth_valid(neg_row, uniform_int(count[neg_row], rng))  # (B, T, K) flat indices
     return positive, negatives
 
 
@@ -328,7 +330,7 @@ class TaCL(nn.Module):
             # every masked student position against every teacher position of its row
             student = F.normalize(upcast(gather_positions(h, positions)), dim=-1).view(B, -1, h.size(-1))  # (B, K, D)
             teacher = F.normalize(upcast(teacher_hidden), dim=-1).to(student.dtype)  # (B, T, D)
-            scores = torch.einsum("bkd,btd->bkt", student, teacher) / self.temperature
+            scores = torch.einsum("bkd,btd->bkt", student, teacher) / self.temperature  # (B, K, T)
             # padding columns leave the softmax (official code keeps them; packed batches have none; fidelity note 14)
             scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
             # the positive is the teacher's own position i
@@ -441,6 +443,7 @@ def corrective_lm_loss(lm_logits, targets, copy_logit, is_original):
     """COCO-LM's L_LM per position: -log(orig * sg(p_copy(1)) + sg(p_copy(0)) * softmax(lm_logits)[target]),
     in log space: logaddexp(log p_copy(1) if orig else -inf, log p_copy(0) + log softmax[target])."""
     copy_logit = copy_logit.detach()  # stop-gradient on p_copy
+    # unused slots (label -100) read index 0: the caller's mask drops them
     log_q = upcast(lm_logits).log_softmax(-1).gather(1, targets.clamp(min=0)[:, None]).squeeze(1)
     log_p1 = F.logsigmoid(copy_logit).masked_fill(~is_original, float("-inf"))
     return -torch.logaddexp(log_p1, F.logsigmoid(-copy_logit) + log_q)
@@ -456,42 +459,6 @@ def nt_xent(z1, z2, temperature, pool):
     sim = (z @ z.transpose(1, 2) / temperature).masked_fill(self_pair, float("-inf"))  # (B/P, 2P, 2P)
     partner = (torch.arange(n, device=z.device) + pool) % n  # view i of a pool pairs with view i + P
     return F.cross_entropy(sim.flatten(0, 1), partner.repeat(B // pool))
-
-
-def binary_entropy(p):
-    """The BCE of always predicting the rate p itself: a replaced-token detector's trivial baseline
-    (accuracy at the majority rate says less: a detector can beat this BCE and still never cross 0.5)."""
-    p = p.clamp(1e-6, 1 - 1e-6)
-    return -(p * p.log() + (1 - p) * (1 - p).log())
-
-
-def auc(logits, targets, mask):
-    """ROC AUC of a detector over the masked-in positions (Mann-Whitney: the chance that a random
-    positive scores above a random negative; ties count 1/2), as the official ELECTRA logs disc_auc.
-    Unlike accuracy it sees a detector that ranks well but never crosses 0.5. NaN without both classes.
-    Under bf16 autocast the head's logits arrive rounded, so near-equal scores become ties."""
-    scores, labels = upcast(logits[mask]).double(), targets[mask]
-    sorted_scores, order = scores.sort()
-    _, inverse, counts = torch.unique_consecutive(sorted_scores, return_inverse=True, return_counts=True)
-    mean_rank = counts.cumsum(0).to(scores.dtype) - (counts - 1) / 2  # 1-based; tied scores share their mean rank
-    ranks = torch.empty_like(scores)
-    ranks[order] = mean_rank[inverse]
-    n_pos = labels.sum().to(scores.dtype)
-    n_neg = len(scores) - n_pos
-    return ((ranks[labels].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)).float()
-
-
-def detector_metrics(name, logit, replaced, input_ids, config, attention_mask, training):
-    """COCO-LM's copy and ELECTRA's discriminator logs, with replaced = positive: accuracy, the trivial BCE
-    of predicting the replaced rate, and (held-out only: a sort of B*T scores) the AUC over the maskable
-    tokens. Special tokens are never replaced: the official disc_auc counts them, which credits a detector
-    for knowing that alone (fidelity note 20)."""
-    valid = non_pad(input_ids, attention_mask)
-    metrics = {f"{name}_acc": masked_mean((logit > 0) == replaced, valid).detach(),
-               f"{name}_trivial": binary_entropy(masked_mean(replaced, valid)).detach()}
-    if not training:
-        metrics[f"{name}_auc"] = auc(logit.detach(), replaced, eligible_positions(input_ids, config, attention_mask))
-    return metrics
 
 
 class COCOLM(nn.Module):
@@ -545,8 +512,9 @@ class COCOLM(nn.Module):
         # corrective LM loss on M: tied embeddings + bias, no transform
         lm_logits = F.linear(gather_positions(h, positions), model.embeddings.word.weight[:model.config.vocab_size],
                              self.lm_bias)
-        at_m = lambda t: t.gather(1, positions).flatten()  # (B, T) -> (B*K,): the masked slots
-        lm_loss = masked_mean(corrective_lm_loss(lm_logits, labels.flatten(), at_m(copy_logit), at_m(is_original)),
+        at_masked = lambda t: t.gather(1, positions).flatten()  # (B, T) -> (B*K,): the masked slots
+        lm_loss = masked_mean(corrective_lm_loss(lm_logits, labels.flatten(), at_masked(copy_logit),
+                                                 at_masked(is_original)),
                               (labels != -100).flatten())
         # SCL: second view = a cropped x; NT-Xent over the 2B [CLS] vectors
         crop_ids, crop_mask = crop_views(x, model.config, rng, self.crop_fraction, attention_mask)
@@ -555,6 +523,7 @@ class COCOLM(nn.Module):
         cls = upcast(self.scl_head(torch.cat([h[:, 0], h_crop[:, 0]])))  # (2B, D): one GEMM for both views
         scl_loss = nt_xent(cls[:B], cls[B:], self.scl_temperature, pool_size(self.negative_pool, B))
         loss = gen_loss + self.copy_weight * copy_loss + lm_loss + scl_loss
+        # the copy head scores "original", the detector metrics "replaced" (as ELECTRA's): flip both
         metrics.update(copy_loss=copy_loss.detach(), lm_loss=lm_loss.detach(), scl_loss=scl_loss.detach(),
                        **detector_metrics("copy", -copy_logit, ~is_original, x, model.config, attention_mask,
                                           self.training))
@@ -567,8 +536,8 @@ class ELECTRA(nn.Module):
     does MLM on 85% [MASK] / 15% unchanged masking; its samples, drawn from the same training
     logits as the official code (one generator forward, no gradient), replace the masked tokens;
     the discriminator (main model + dense -> GELU -> linear(1)) labels every non-pad token
-    replaced (sample != original) or not. L = L_gen + 50 * mean BCE. The main model's MLM head is
-    unused."""
+    replaced (sample != original) or not. L = L_gen + lambda * mean BCE (electra_disc_weight, 50 in App. A).
+    The main model's MLM head is unused."""
 
     def __init__(self, model, cfg):
         super().__init__()
@@ -593,6 +562,46 @@ class ELECTRA(nn.Module):
         metrics.update(disc_loss=disc_loss.detach(),
                        **detector_metrics("disc", disc_logit, replaced, x, model.config, attention_mask, self.training))
         return gen_loss + self.disc_weight * disc_loss, metrics
+
+
+# ------------------------------------------------------------------------------------------
+# detector metrics (COCO-LM's copy head, ELECTRA's discriminator): logged, not trained on
+
+
+def binary_entropy(p):
+    """The BCE of always predicting the rate p itself: a replaced-token detector's trivial baseline
+    (accuracy at the majority rate says less: a detector can beat this BCE and still never cross 0.5)."""
+    p = p.clamp(1e-6, 1 - 1e-6)
+    return -(p * p.log() + (1 - p) * (1 - p).log())
+
+
+def auc(logits, targets, mask):
+    """ROC AUC of a detector over the masked-in positions (Mann-Whitney: the chance that a random
+    positive scores above a random negative; ties count 1/2), as the official ELECTRA logs disc_auc.
+    Unlike accuracy it sees a detector that ranks well but never crosses 0.5. NaN without both classes.
+    Under bf16 autocast the head's logits arrive rounded, so near-equal scores become ties."""
+    scores, labels = upcast(logits[mask]).double(), targets[mask]
+    sorted_scores, order = scores.sort()
+    _, inverse, counts = torch.unique_consecutive(sorted_scores, return_inverse=True, return_counts=True)
+    mean_rank = counts.cumsum(0).to(scores.dtype) - (counts - 1) / 2  # 1-based; tied scores share their mean rank
+    ranks = torch.empty_like(scores)
+    ranks[order] = mean_rank[inverse]
+    n_pos = labels.sum().to(scores.dtype)
+    n_neg = len(scores) - n_pos
+    return ((ranks[labels].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)).float()
+
+
+def detector_metrics(name, logit, replaced, input_ids, config, attention_mask, training):
+    """COCO-LM's copy and ELECTRA's discriminator logs, with replaced = positive: accuracy, the trivial BCE
+    of predicting the replaced rate, and (held-out only: a sort of B*T scores) the AUC over the maskable
+    tokens. Special tokens are never replaced: the official disc_auc counts them, which credits a detector
+    for knowing that alone (fidelity note 20)."""
+    valid = non_pad(input_ids, attention_mask)
+    metrics = {f"{name}_acc": masked_mean((logit > 0) == replaced, valid).detach(),
+               f"{name}_trivial": binary_entropy(masked_mean(replaced, valid)).detach()}
+    if not training:
+        metrics[f"{name}_auc"] = auc(logit.detach(), replaced, eligible_positions(input_ids, config, attention_mask))
+    return metrics
 
 
 # ------------------------------------------------------------------------------------------

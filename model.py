@@ -106,7 +106,7 @@ class SelfAttention(nn.Module):
 
     def forward(self, x, attn_mask=None):
         B, T, D = x.shape
-        q, k, v = self.qkv(x).split(D, dim=2)
+        q, k, v = self.qkv(x).split(D, dim=2)  # (B, T, 3D) -> 3 x (B, T, D)
         # (B, T, D) -> (B, nh, T, hs)
         q, k, v = (t.view(B, T, self.num_heads, D // self.num_heads).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
