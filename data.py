@@ -77,6 +77,9 @@ class BlockLoader:
     def state_dict(self):
         return {"sequences": self.sequences}
 
+    def rewind(self):
+        self.sequences = 0
+
     def load_state_dict(self, state):
         if "sequences" not in state:
             raise ValueError(f"data loader state {state!r} has no 'sequences' count")

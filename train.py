@@ -68,13 +68,13 @@ def step_seed(seed, step, micro_index, stream=0):
 def evaluate(model, objective, val_loader, cfg, device, autocast, special=None, tok=None):
     """The objective's metrics on a fixed set of held-out blocks with fixed random draws:
     val_mlm_loss / val_mlm_acc for MLM, TACO and TaCL, the generator's val_gen_loss for
-    ELECTRA and COCO-LM (their main model has no MLM head). Batch i is drawn with seed i whatever
+    ELECTRA and COCO-LM (their main model's MLM head is never trained). Batch i is drawn with seed i whatever
     the run's --seed and objective: every run is scored on the same masks, so two runs compare.
     With the special ids and the tokenizer, TACO's Fig. 3/6 measures too: how contextual the token
     states are, and how close co-occurring words' embeddings are."""
     model.eval(), objective.eval()
     rng = torch.Generator(device)
-    val_loader.load_state_dict(val_loader.start_state)
+    val_loader.rewind()  # the same held-out blocks every evaluation
     totals = {}
     for i in range(cfg.eval_batches):
         rng.manual_seed(i)  # not one stream: TACO's extra draws would move the masks of the batches after
@@ -84,7 +84,7 @@ def evaluate(model, objective, val_loader, cfg, device, autocast, special=None, 
             totals["val_" + k] = totals.get("val_" + k, 0.0) + float(v) / cfg.eval_batches
     model.train(), objective.train()
     if special is not None:
-        val_loader.load_state_dict(val_loader.start_state)
+        val_loader.rewind()
         rng = torch.Generator(device).manual_seed(0)  # the same partner draws for every --seed (fidelity note 26)
         totals["contextual_score"] = contextual_score(model, val_loader.next_batch(), rng, special)["contextual"]
         wordsim = wordsim_similarity(model, tok)
@@ -126,7 +126,6 @@ def train(cfg, ckpt=None):
         val_loader = data.BlockLoader(val_tokens, batch_size=cfg.negative_pool or 16, seed=0, **loader_args)
     except ValueError as e:
         raise ValueError(f"the held-out split (--val_fraction {cfg.val_fraction}): {e}") from None
-    val_loader.start_state = val_loader.state_dict()
 
     # ---- model, objective, optimizer
     model_config = rundir.model_config_for(cfg, ckpt, init_model, BertConfig(
@@ -164,6 +163,10 @@ def train(cfg, ckpt=None):
     watch = DivergenceWatch(layout, cfg, scaler, params)  # stops the run before it saves NaN weights
     meter = StepLog(cfg, model_config, layout, step, trained_s)
     metrics, stop = {}, distributed.StopSignals(layout)  # SIGINT / SIGTERM: stop after the step in flight
+
+    def save(step):
+        watch.check(metrics, step, run.saved_step, weights=True)  # never overwrite good weights with NaN
+        run.save(step, meter.elapsed())
     try:
         with stop:
             if step == 0:
@@ -208,11 +211,9 @@ def train(cfg, ckpt=None):
                 if step % cfg.eval_interval == 0 or step == cfg.max_steps:
                     run_eval(step)
                 if step % cfg.ckpt_interval == 0 or step == cfg.max_steps:
-                    watch.check(metrics, step, run.saved_step, weights=True)  # never overwrite good weights with NaN
-                    run.save(step, meter.elapsed())
+                    save(step)
             if stop.received and step > run.saved_step:  # between two steps: every rank holds the weights of `step`
-                watch.check(metrics, step, run.saved_step, weights=True)
-                run.save(step, meter.elapsed())
+                save(step)
     except KeyboardInterrupt:  # a second signal, mid-step: the last checkpoint stands
         run.close(step, stopped_by="KeyboardInterrupt")
         return 130
