@@ -23,16 +23,12 @@ cache_dir, reusing that cache only once it has checked it, and glue_tasks.py hol
 table and readers.
 """
 import math
-import os
 import sys
-import time
-from pathlib import Path
 
 import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-import corpus
 import token_files
 from corpus import SAMPLE_CORPUS
 
@@ -117,36 +113,16 @@ class BlockLoader:
 
 def prepare_data(data=DEFAULT_DATA, cache_dir="cache", tokenizer=None, vocab_size=30522,
                  val_fraction=0.005):
-    """Return (tok, train_tokens, val_tokens): 1-D np.memmap token streams, cached in cache_dir.
+    """Return (tok, train_tokens, val_tokens): 1-D np.memmap token streams.
 
-    Without a tokenizer path, one is trained on the corpus and cached too. The corpus is read only when
-    a cache misses (see token_files.py for what counts as a hit)."""
-    cache = Path(cache_dir)
-    cache.mkdir(parents=True, exist_ok=True)
-    files = corpus.resolve_files(data)  # None for a hub dataset; a bad path fails here, before any work
-    key = token_files.corpus_key(data, files)
-    parts = None  # the corpus, loaded on the first cache miss
+    Without a tokenizer path, one is trained on the corpus. Both are made once and kept in cache_dir
+    (token_files.CorpusCache: the corpus is read only when a cache misses)."""
+    cache = token_files.CorpusCache(data, cache_dir)  # a bad path fails here, before any work
     if tokenizer is None:
-        tokenizer = token_files.tokenizer_dir(cache, key, vocab_size)
-        with token_files.making(tokenizer):
-            if token_files.cached_tokenizer(tokenizer) is None:
-                parts = corpus.load_corpus(data, files, cache)
-                t0, tmp = time.time(), f"{tokenizer}.tmp{os.getpid()}"
-                texts = lambda: ([p for p in pieces if p is not None] for pieces in corpus.pieces(parts))
-                try:
-                    trained = train_tokenizer(texts, vocab_size, save_dir=tmp)
-                except ValueError:  # only whitespace: nothing to tokenize either
-                    raise ValueError(f"no text in {data}") from None
-                print(f"trained a {trained.get_vocab_size()}-token tokenizer in {time.time() - t0:.1f}s")
-                os.replace(tmp, tokenizer)  # the directory appears whole
+        tokenizer = cache.tokenizer(vocab_size, train_tokenizer)  # train_tokenizer(texts, vocab_size, save_dir)
     tok = load_tokenizer(tokenizer)
     sep = special_token_ids(tok)["sep"]
-    dtype = np.uint16 if tok.get_vocab_size() < 2**16 else np.uint32
-    path = token_files.tokens_file(cache, key, tok, dtype)
-    with token_files.making(path, token_files.sidecar(path)):
-        if not token_files.cache_ok(path):
-            token_files.tokenize(tok, parts or corpus.load_corpus(data, files, cache), path, dtype, sep, data)
-    tokens = np.memmap(path, dtype=dtype, mode="r")  # (N,) the whole corpus
+    tokens = cache.tokens(tok, sep)  # (N,) the whole corpus, one [SEP] between documents
     train, val = split_train_val(tokens, val_fraction, sep)
     return tok, train, val
 

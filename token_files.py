@@ -2,8 +2,8 @@
 The files behind data.py besides the corpus: the tokenizer's files (and the alphabet that makes its training
 deterministic) and the token cache. The algorithm does not
 need this module: data.load_tokenizer and save_tokenizer are short calls into here, and data.prepare_data
-would give the same stream by tokenizing the corpus on every run; the cache only makes the second run start
-in seconds and keeps a killed run from poisoning the next.
+(through CorpusCache) would give the same stream by tokenizing the corpus on every run; the cache only makes
+the second run start in seconds and keeps a killed run from poisoning the next.
 
 Tokenizer files: tokenizer.json, a WordPiece vocab.txt (with a Hugging Face tokenizer_config.json beside
 it), or a hub name (bert-base-uncased); save_tokenizer's directories load in transformers.AutoTokenizer.
@@ -200,6 +200,47 @@ def making(*paths):
             if stale.fullmatch(entry.name):
                 shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
         yield
+
+
+class CorpusCache:
+    """data.prepare_data's tokenizer and token stream for one corpus, each made once under cache_dir (locked,
+    written atomically, checked before reuse); the corpus itself is loaded only when one of them misses."""
+
+    def __init__(self, data, cache_dir):
+        self.data, self.cache = data, Path(cache_dir)
+        self.cache.mkdir(parents=True, exist_ok=True)
+        self.files = corpus.resolve_files(data)  # None for a hub dataset; a bad path fails here
+        self.key = corpus_key(data, self.files)
+        self._parts = None
+
+    def parts(self):
+        if self._parts is None:
+            self._parts = corpus.load_corpus(self.data, self.files, self.cache)
+        return self._parts
+
+    def tokenizer(self, vocab_size, train):
+        """The directory of the tokenizer that train(texts, vocab_size, save_dir) makes from the corpus."""
+        path = tokenizer_dir(self.cache, self.key, vocab_size)
+        with making(path):
+            if cached_tokenizer(path) is None:
+                t0, tmp = time.time(), f"{path}.tmp{os.getpid()}"
+                texts = lambda: ([p for p in pieces if p is not None] for pieces in corpus.pieces(self.parts()))
+                try:
+                    trained = train(texts, vocab_size, save_dir=tmp)
+                except ValueError:  # only whitespace: nothing to tokenize either
+                    raise ValueError(f"no text in {self.data}") from None
+                print(f"trained a {trained.get_vocab_size()}-token tokenizer in {time.time() - t0:.1f}s")
+                os.replace(tmp, path)  # the directory appears whole
+        return path
+
+    def tokens(self, tok, sep):
+        """(N,) np.memmap: the corpus as tok's ids, one `sep` between documents."""
+        dtype = np.uint16 if tok.get_vocab_size() < 2**16 else np.uint32
+        path = tokens_file(self.cache, self.key, tok, dtype)
+        with making(path, sidecar(path)):
+            if not cache_ok(path):
+                tokenize(tok, self.parts(), path, dtype, sep, self.data)
+        return np.memmap(path, dtype=dtype, mode="r")
 
 
 def checksum(path, chunk=1 << 16):
