@@ -230,10 +230,17 @@ RANGES = dict(mask_prob=(0, 1, False, False), dropout=(0, 1, True, False), beta2
               cocolm_crop_fraction=(0, 1, False, True), val_fraction=(0, 0.5, False, True))
 
 
+def pooled(objective):
+    """Whether the objective draws negatives from a pool of rows (its class in losses.LOSSES says so with
+    uses_negative_pool: TACO, COCO-LM's SCL): each process then gets whole pools, of a checked size."""
+    from losses import LOSSES
+    return getattr(LOSSES.get(objective), "uses_negative_pool", False)
+
+
 def pool_problem(cfg, pool):
     """(flag, why) when `pool` sequences cannot be TACO's or COCO-LM's negative pool (losses.pool_size), else
     None: asked of the flags before a run, and of what each process gets once the world size caps its batch."""
-    if cfg.objective not in ("taco", "cocolm"):
+    if not pooled(cfg.objective):
         return None
     if pool < 2:
         return "batch_size", ("TACO and COCO-LM's SCL draw negatives from the other sequences of their pool: they "
@@ -249,7 +256,7 @@ def micro_batching(cfg, world):
     """(sequences per micro-step per process, micro-steps per optimizer step). tokens_per_step fixes
     the global batch; batch_size is a memory cap, lowered when `world` processes would exceed it."""
     batch_size = cap = min(cfg.batch_size, max(1, cfg.tokens_per_step // (cfg.seq_len * world)))
-    if cfg.negative_pool and cfg.objective in ("taco", "cocolm"):
+    if cfg.negative_pool and pooled(cfg.objective):
         # whole pools per process, so the negatives (and the objective) are the same on any layout
         batch_size -= batch_size % cfg.negative_pool
         if batch_size == 0:

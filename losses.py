@@ -234,6 +234,7 @@ class TACO(nn.Module):
     L_TC = mean over anchors of -log(e^{s+} / (e^{s+} + sum_k e^{s-_k})); L = L_MLM + lambda * L_TC.
     Memory: negatives are scored by NegativeDots, never gathered as one (B, T, K, D) tensor.
     """
+    uses_negative_pool = True  # config.py gives each process whole pools and checks their size
 
     def __init__(self, model, cfg):
         super().__init__()
@@ -478,6 +479,7 @@ class COCOLM(nn.Module):
     The official repository releases this forward and the heads, not the task and criterion (the masking
     recipe, the crop, the loss reduction): those are the paper's §3 as we read it (fidelity notes 27, 28).
     """
+    uses_negative_pool = True  # config.py gives each process whole pools and checks their size
 
     def __init__(self, model, cfg):
         super().__init__()

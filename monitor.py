@@ -116,7 +116,8 @@ def print_plan(cfg, model, layout, dtype, grad_accum, train_loader, num_train_to
           f"{dtype}")
     print(f"tokens_per_step {cfg.tokens_per_step} = batch_size {cfg.batch_size} x seq_len {cfg.seq_len} "
           f"x {layout.world} process(es) x grad_accum {grad_accum}")
-    if cfg.objective in ("taco", "cocolm"):
+    from config import pooled  # here, as PRESETS above
+    if pooled(cfg.objective):
         print(f"negative pool: {cfg.negative_pool or cfg.batch_size} sequences" + ("" if cfg.negative_pool else
               " (the per-process micro-batch: changes with the layout; --negative_pool fixes it)"))
     epochs = cfg.max_steps * (cfg.tokens_per_step // cfg.seq_len) / train_loader.num_blocks

@@ -121,6 +121,17 @@ def test_micro_batching_keeps_the_global_batch():
         config.micro_batching(config.TrainConfig(objective="taco", seq_len=32, tokens_per_step=128), 2)
 
 
+def test_an_objective_added_by_copying_taco_keeps_its_pool_rules(monkeypatch):
+    # the pool rules follow the class (uses_negative_pool), not a list of names: an ablation's copy keeps them
+    import losses
+    monkeypatch.setitem(losses.LOSSES, "taco2", type("TACO2", (losses.TACO,), {}))
+    base = config.TrainConfig(**config.PRESETS["base"], objective="taco2")
+    assert config.micro_batching(base, 1) == (80, 16)
+    with pytest.raises(ValueError, match="negative_pool 80.* with 32 process.* allows 40$"):
+        config.micro_batching(base, 32)
+    assert config.micro_batching(config.TrainConfig(**config.PRESETS["base"], objective="mlm"), 32) == (40, 1)
+
+
 def test_gradient_accumulation_averages_the_micro_batches(corpus, tmp_path, monkeypatch):
     # each micro-batch's loss is divided by grad_accum: the gradient the step clips and applies is the mean of
     # the micro-batches' own gradients, as one batch of them all would give. Adam's first step hides a 2x scale,
