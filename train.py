@@ -128,9 +128,9 @@ def train(cfg, ckpt=None):
         raise ValueError(f"the held-out split (--val_fraction {cfg.val_fraction}): {e}") from None
 
     # ---- model, objective, optimizer
-    model_config = rundir.model_config_for(cfg, ckpt, init_model, BertConfig(
-        **MODEL_PRESETS[cfg.model_size], vocab_size=tok.get_vocab_size(), dropout=cfg.dropout,
-        **{f"{k}_token_id": v for k, v in special.items()}), special)
+    fresh = BertConfig(**MODEL_PRESETS[cfg.model_size], vocab_size=tok.get_vocab_size(), dropout=cfg.dropout,
+                       **{f"{k}_token_id": v for k, v in special.items()})  # a new model's shape
+    model_config = rundir.model_config_for(cfg, ckpt, init_model, fresh, special)  # or a resume's / --init_from's
     model = Bert(model_config)
     if init_model:
         # every weight but a pooler (Hugging Face BertModel has one; pretraining has no use for it)
