@@ -216,7 +216,7 @@ def taco_samples(valid, window, num_negatives, rng, pool=0):
     pool = pool or B
     pool_row = rows % pool  # the anchor's row within its pool; pool == B draws exactly as the official sampler
     neg_row = torch.randint(pool - 1, (B, T, num_negatives), generator=rng, device=device)  # (B, T, K)
-    # a draw at or past the anchor's own pool row moves up one (skip it), then shifts to the pool's first row
+    # a draw at or past the anchor's own row in the pool moves up one (skipping it); + the pool's first row
     neg_row = neg_row + (neg_row >= pool_row[..., None]).long() + (rows - pool_row)[..., None]
     negatives = nth_valid(neg_row, uniform_int(count[neg_row], rng))  # (B, T, K) flat indices
     return positive, negatives
