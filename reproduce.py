@@ -192,7 +192,7 @@ def export_id(run_dir):
 def run_finished(run_dir, steps):
     """A pretraining run is done when its export holds its last step. Not the log: train.py logs the last
     evaluation before it saves, and a kill in between leaves the weights of the checkpoint before (config.json
-    is written after the weights). Not ckpt.pt: train.py writes it after the export, and nothing here reads it."""
+    is written after the weights). Not ckpt.pt: train.py writes it before the export, and nothing here reads it."""
     step = export_step(run_dir)
     return step is not None and step >= steps
 

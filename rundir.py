@@ -4,7 +4,7 @@ It guarantees (test_reliability.py and test_train.py hold it to each):
 - one run per out_dir: an OS file lock (flock), released by the OS however the holder dies;
 - every file is written atomically (NAME.tmp, then a rename); a run killed mid-save leaves its partial
   files, which the next run on the out_dir removes; a half-written last log line is dropped;
-- ckpt.pt is what --resume trusts; the Hugging Face export is written before it and rewritten from it
+- ckpt.pt is what --resume trusts; the Hugging Face export is written after it and rewritten from it
   when the two disagree (a run killed between them); a failed save or log write (a full disk) is one line
   and keeps the last good one;
 - a resume reads its own tokenizer and refuses other data (a fingerprint of the token streams);
@@ -332,7 +332,7 @@ class Run:
         if changed:  # said even when the lr at this step is the same (in warm-up): the decay moved
             print(f"the learning-rate schedule moved ({changed}): lr at step {step} was {lr_at(step, old):.2e}, "
                   f"now {lr_at(step, cfg):.2e} (warm-up {cfg.warmup_steps}, linear decay to 0 at {cfg.max_steps})")
-        if export_step(cfg.out_dir) != step:  # a run killed between the export and ckpt.pt: ckpt.pt wins
+        if export_step(cfg.out_dir) != step:  # a run killed between ckpt.pt and the export: ckpt.pt wins
             with self.failing_write(f"rewrite the Hugging Face export of step {step} in {cfg.out_dir}"):
                 self.model.save_pretrained(cfg.out_dir, mlm_head=self.trains_head, step=step)
             print(f"rewrote the Hugging Face export in {cfg.out_dir} from ckpt.pt (step {step})")
@@ -356,17 +356,20 @@ class Run:
             raise SaveFailed(f"cannot {what} ({reason}); {kept}") from None
 
     def save(self, step, elapsed_s):
-        """The export first, then ckpt.pt (what --resume trusts, and it rewrites an export of another step).
-        One writer: the ranks hold the same weights, and the loader state is global."""
+        """ckpt.pt first (what --resume trusts: it rewrites an export of another step), then the export. In
+        the other order a kill inside the first ckpt.pt left an export and no checkpoint: --resume had
+        nothing to resume, and a new run refused to overwrite the export. One writer: the ranks hold the
+        same weights, and the loader state is global."""
         cfg = self.cfg
         if self.layout.master:
             with self.failing_write(f"save step {step} into {cfg.out_dir}"):
-                self.model.save_pretrained(cfg.out_dir, mlm_head=self.trains_head, step=step)
                 atomic_save(dict(model=self.model.state_dict(), model_config=asdict(self.model_config),
                                  objective=self.objective.state_dict(), optimizer=self.optimizer.state_dict(),
                                  scaler=self.scaler.state_dict(), step=step, loader=self.train_loader.state_dict(),
                                  elapsed_s=elapsed_s, config=asdict(cfg), data=self.fingerprint),
                             os.path.join(cfg.out_dir, "ckpt.pt"))
+                self.saved_step = step
+                self.model.save_pretrained(cfg.out_dir, mlm_head=self.trains_head, step=step)
         self.saved_step = step
 
     def close(self, step, first_step=None, seconds=None, stopped_by=None):

@@ -336,11 +336,39 @@ def test_resume_keeps_the_runs_own_tokenizer_when_the_cache_is_gone(corpus, tmp_
     assert not [p for p in own_cache.iterdir() if p.name.startswith("tokenizer-")]  # no tokenizer trained
 
 
-def test_kill_between_export_and_checkpoint_leaves_a_loadable_run(corpus, cache, tmp_path, capsys, monkeypatch):
+def test_a_kill_inside_the_first_checkpoint_leaves_a_run_that_starts_again(corpus, cache, tmp_path, capsys,
+                                                                           monkeypatch):
+    # ckpt.pt is written before the export: a run stopped inside its first ckpt.pt has no export either, so its
+    # own command starts it again (export first, it refused: "holds a model but no ckpt.pt", and --resume had
+    # no checkpoint: a dead end, found by SIGKILLing runs at random moments)
+    out_dir = tmp_path / "run"
+
+    def dies(obj, path):
+        Path(path + ".tmp").write_bytes(b"half a checkpoint")
+        raise RuntimeError("killed")
+    monkeypatch.setattr(rundir, "atomic_save", dies)
+    code, _, err = run_main(flags(corpus, cache, out_dir, max_steps=20), capsys)
+    monkeypatch.undo()
+    assert code == 1 and not (out_dir / "ckpt.pt").exists() and not (out_dir / "config.json").exists(), err
+    code, out, err = run_main(flags(corpus, cache, out_dir, max_steps=20), capsys)
+    assert code == 0 and "stopped before its first checkpoint" in out, err
+    assert hf_io.load_checkpoint_file(str(out_dir / "ckpt.pt"))["step"] == 20 and rundir.export_step(str(out_dir)) == 20
+
+    # the export fails just after step 30's ckpt.pt: the line says what ckpt.pt holds, and --resume rewrites it
+    monkeypatch.setattr(model.Bert, "save_pretrained", lambda *a, **k: no_space())
+    code, _, err = run_main(["--resume", out_dir, "--max_steps", 30], capsys)
+    monkeypatch.undo()
+    assert code == 1 and rundir.export_step(str(out_dir)) == 20
+    one_error(err, "cannot save step 30", "ckpt.pt keeps step 30")
+    code, out, err = run_main(["--resume", out_dir, "--max_steps", 30], capsys)
+    assert code == 0 and "rewrote the Hugging Face export" in out and rundir.export_step(str(out_dir)) == 30, err
+
+
+def test_kill_between_checkpoint_and_export_leaves_a_loadable_run(corpus, cache, tmp_path, capsys, monkeypatch):
     out_dir = tmp_path / "run"
     saves = []
 
-    def dies_on_second_save(obj, path):  # the disk fills after the step-20 export, inside its ckpt.pt
+    def dies_on_second_save(obj, path):  # the disk fills inside step 20's ckpt.pt, before its export
         saves.append(obj["step"])
         if len(saves) == 2:
             Path(path + ".tmp").write_bytes(b"half a checkpoint")
@@ -354,7 +382,7 @@ def test_kill_between_export_and_checkpoint_leaves_a_loadable_run(corpus, cache,
     one_error(err, "cannot save step 20", "unexpected pos", "ckpt.pt keeps step 10")
     assert not [p for p in out_dir.iterdir() if ".tmp" in p.name]
     assert hf_io.load_checkpoint_file(str(out_dir / "ckpt.pt"))["step"] == 10
-    assert rundir.export_step(str(out_dir)) == 20  # the export is a step ahead, and says so
+    assert rundir.export_step(str(out_dir)) == 10  # the export was not reached
     model.Bert.from_pretrained(str(out_dir))  # both load
     assert not (out_dir / ".lock").exists()
 

@@ -227,7 +227,7 @@ def test_a_run_is_finished_when_its_export_holds_the_last_step(tmp_path):
         (run / "config.json").write_text(json.dumps({"training_step": exported}))
         assert reproduce.run_finished(str(run), 20) is done, exported
     (run / "ckpt.pt").unlink()
-    assert reproduce.run_finished(str(run), 20)  # killed while writing ckpt.pt after the last export
+    assert reproduce.run_finished(str(run), 20)  # the export alone decides (ckpt.pt is written before it)
 
 
 @pytest.mark.slow
@@ -704,7 +704,7 @@ def test_a_task_named_twice_is_fine_tuned_once(tmp_path):
 
 
 def test_a_finished_continuation_without_its_checkpoint_is_checked_against_the_mlm_run(tmp_path):
-    # killed while writing its last ckpt.pt, after the export: its export was still made from another mlm export
+    # a finished run whose ckpt.pt is gone (deleted to save space): its export was still made from another mlm export
     out = repro_dir(tmp_path)
     make_run(out, "mlm", 20)
     make_run(out, "tacl", 10)
