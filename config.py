@@ -19,8 +19,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from data import DEFAULT_DATA, HUB_CORPUS
-from hf_io import load_checkpoint_file
-from model import BertConfig, MODEL_PRESETS
+from model import MODEL_PRESETS
 
 
 @dataclass
@@ -384,70 +383,3 @@ def dir_problem(path):
     except OSError:
         return f"cannot be created or written ({parent} is not a writable directory)"
     return None
-
-
-# what --resume may not change: the model and its vocabulary, the data order and the validation split
-FIXED_ON_RESUME = ("objective", "model_size", "seq_len", "vocab_size", "data", "tokenizer", "seed", "val_fraction")
-
-
-def resume_config(cfg, given):
-    """(config, checkpoint) of --resume: the checkpoint's config with the flags given now on top."""
-    path = os.path.join(cfg.resume, "ckpt.pt") if os.path.isdir(cfg.resume) else cfg.resume
-    if not os.path.exists(cfg.resume):
-        raise ValueError(f"--resume {cfg.resume}: no such run directory or checkpoint file")
-    if not os.path.isfile(path):
-        raise ValueError(f"--resume {cfg.resume}: no checkpoint there (a run stopped before its first save: "
-                         f"run its original command again)")
-    ckpt = load_checkpoint_file(path)
-    missing = {"model", "model_config", "objective", "optimizer", "scaler", "step", "loader", "config"} - set(ckpt)
-    model_config = ckpt["model_config"] if isinstance(ckpt["model_config"], dict) else {"(not a dict)": None}
-    unknown = set(model_config) - {f.name for f in fields(BertConfig)}
-    if missing or unknown:
-        raise ValueError(f"--resume {path}: not a resumable checkpoint of this version (missing "
-                         f"{sorted(missing)}, unknown model_config keys {sorted(unknown)})")
-    if type(ckpt["step"]) is not int or ckpt["step"] < 0:
-        raise ValueError(f"--resume {path}: its step is {ckpt['step']!r}, not an integer >= 0 (an edited or corrupt "
-                         f"checkpoint)")
-    elapsed, loader = ckpt["elapsed_s"] if "elapsed_s" in ckpt else 0.0, ckpt["loader"]
-    if type(elapsed) not in (int, float) or not elapsed >= 0:
-        raise ValueError(f"--resume {path}: its elapsed_s is {elapsed!r}, not seconds >= 0 (an edited or corrupt checkpoint)")
-    if not isinstance(loader, dict) or type(loader.get("sequences")) is not int or loader["sequences"] < 0:
-        raise ValueError(f"--resume {path}: its loader state is {loader!r}, not {{'sequences': a count >= 0}} (an "
-                         f"edited or corrupt checkpoint)")
-    saved = ckpt["config"]  # not a dict: saved_config says so
-    absent = [k for k in (*FIXED_ON_RESUME, "max_steps") if k not in saved] if isinstance(saved, dict) else []
-    if absent:
-        raise ValueError(f"--resume {path}: its config lacks {', '.join(absent)} (an edited or corrupt checkpoint)")
-    run_dir = os.path.dirname(path) or "."
-    saved = saved_config(ckpt, path)
-    for name in (n for n in FIXED_ON_RESUME if n in given):
-        if given[name] != (data_path(saved.data) if name == "data" else getattr(saved, name)):
-            raise ValueError(f"--resume {path}: checkpoint has {name}={getattr(saved, name)!r}, flags say "
-                             f"{given[name]!r} (it would change the model, its vocabulary or the data order)")
-    for name in ("preset", "init_from"):  # a resume keeps its checkpoint's config and weights: these would do nothing
-        old, new = getattr(saved, name), given.get(name, getattr(saved, name))
-        if (os.path.realpath(old) != os.path.realpath(new)) if old and new and name == "init_from" else old != new:
-            raise ValueError(f"--{name} {new}: the run in {run_dir} was made with {name} {old!r}, and a resume goes "
-                             f"on with its own (to start a new run from its weights: --init_from {run_dir})")
-    if given.get("max_steps", saved.max_steps) < ckpt["step"]:
-        raise ValueError(f"--max_steps {given.get('max_steps', saved.max_steps)}: the run in {run_dir} is already at "
-                         f"step {ckpt['step']}; to train on, pass a larger --max_steps")
-    if "out_dir" in given and os.path.realpath(given["out_dir"]) != os.path.realpath(run_dir):
-        raise ValueError(f"--resume continues the run in {run_dir}; --out_dir {given['out_dir']} is another "
-                         f"directory (to start a new run from its weights, use --init_from {run_dir})")
-    return replace(saved, **{**{k: v for k, v in given.items() if k != "preset"}, "out_dir": run_dir}), ckpt
-
-
-
-def saved_config(ckpt, path="checkpoint"):
-    """The TrainConfig a checkpoint was trained with (fields it does not know are dropped); a value of the
-    wrong type (an edited or corrupt checkpoint) is one ValueError."""
-    types = {f.name: f.type for f in fields(TrainConfig)}
-    saved = ckpt["config"]
-    if not isinstance(saved, dict):
-        raise ValueError(f"{path}: its config is a {type(saved).__name__}, not a dict (an edited or corrupt checkpoint)")
-    for k, v in saved.items():
-        if k in types and not (type(v) is types[k] or types[k] is float and type(v) is int):
-            raise ValueError(f"{path}: its config has {k} = {v!r}, not a {types[k].__name__} (an edited or corrupt "
-                             f"checkpoint)")
-    return TrainConfig(**{k: v for k, v in saved.items() if k in types})

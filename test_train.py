@@ -263,7 +263,8 @@ def test_an_objective_added_to_losses_trains(corpus, tmp_path, monkeypatch):
     header, records = read_log(tmp_path / "run")
     assert header["config"]["objective"] == "half_mlm" and records[-1]["step"] == 2
     assert (tmp_path / "run" / "ckpt.pt").exists() and (tmp_path / "run" / "config.json").exists()
-    tiny = config.BertConfig(**config.MODEL_PRESETS["tiny"])
+    from model import BertConfig
+    tiny = BertConfig(**config.MODEL_PRESETS["tiny"])
     assert bench.objective_flops_per_token("half_mlm", tiny, config.TrainConfig(), 64) is None
 
 
