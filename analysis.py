@@ -43,7 +43,7 @@ import data
 from config import dir_problem
 from corpus import read_text
 from glue_tasks import TASKS, load_hub, read_tsv
-from hf_io import replace_atomic, still_training
+from hf_io import replace_atomic, still_training, write_atomic
 from model import Bert
 
 ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
@@ -859,7 +859,27 @@ def plot_logs(paths, out):
     _save_figure(fig, path)
     plt.close(fig)
     print(f"wrote {path}")
+    table = last_held_out(logs)
+    if table:  # the numbers an ablation compares, beside the picture
+        write_atomic(os.path.splitext(path)[0] + ".md", table + "\n")
+        print(table)
     return path
+
+
+def last_held_out(logs):
+    """A markdown table of each run's held-out metrics at its last evaluated step ('' if none were logged)."""
+    keys = []
+    for log in logs.values():
+        keys += [k for k in log if (k.startswith("val_") or k in ("contextual_score", "wordsim_cooc_sim"))
+                 and k not in keys]
+    if not keys:
+        return ""
+    lines = ["| run | step | " + " | ".join(keys) + " |", "|---" * (len(keys) + 2) + "|"]
+    for label, log in logs.items():
+        step = max((log[k][0][-1] for k in keys if k in log), default=None)
+        cells = [f"{log[k][1][-1]:.4f}" if k in log and log[k][0][-1] == step else "–" for k in keys]
+        lines.append(f"| {label} | {'–' if step is None else step} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":  # a module, not a command: say where its command is instead of doing nothing

@@ -478,6 +478,10 @@ def test_plot_logs(tmp_path):
                         "contextual_score", "wordsim_cooc_sim"}
     path = A.plot_logs([a, b], str(tmp_path / "plots"))
     assert path == str(tmp_path / "plots" / "training_curves.png") and os.path.getsize(path) > 0
+    # and the held-out numbers an ablation compares, each run's at its last evaluation (a table beside the plot)
+    rows = (tmp_path / "plots" / "training_curves.md").read_text().splitlines()
+    assert rows[0] == "| run | step | val_mlm_loss | val_mlm_acc | contextual_score | wordsim_cooc_sim |"
+    assert rows[2:] == ["| mlm | 100 | 2.3333 | 0.5000 | 0.2000 | 0.2000 |", "| taco | 100 | 2.3333 | 0.5000 | 0.2000 | 0.2000 |"]
     with open(b, "a") as f:  # records no run of ours writes: a step that is not an integer is skipped
         f.write('\n{"step": [1], "loss": 2}\n{"step": "x", "loss": 3}\n{"step": true, "loss": 4}\n')
     assert A.read_log(b)["loss"][0] == list(range(10, 110, 10))

