@@ -6,8 +6,9 @@ guarantees (test_train.py's DDP, torchrun-SIGTERM and SIGKILL tests; test_reliab
 - a frozen or dead rank fails the others' next collective after DDP_TIMEOUT instead of hanging for good,
   and the ranks that wait while rank 0 tokenizes a corpus wait up to DATA_TIMEOUT on their own group;
 - SIGINT / SIGTERM stop a run between two steps, never inside one, and every rank stops after the same
-  step (a tiny gloo all-reduce each step); a second Ctrl-C stops at once; a SIGKILLed torchrun takes its
-  workers along (Linux: they get SIGTERM and save).
+  step (a tiny gloo all-reduce each step); a second Ctrl-C stops at once (under torchrun it reaches only
+  torchrun, which passes on a SIGTERM: the workers still save); a SIGKILLed torchrun takes its workers
+  along (Linux: they get SIGTERM and save).
 """
 import os
 import signal
@@ -128,7 +129,8 @@ def precision(cfg, layout):
 
 class StopSignals:
     """SIGINT (Ctrl-C) and SIGTERM (what schedulers send before SIGKILL) stop the run between two steps:
-    `stopping()` turns true after the step in flight. A second Ctrl-C raises KeyboardInterrupt at once;
+    `stopping()` turns true after the step in flight. A second Ctrl-C raises KeyboardInterrupt at once
+    (a terminal's Ctrl-C reaches torchrun's workers only through torchrun, as one SIGINT then a SIGTERM);
     a second SIGTERM is ignored (the scheduler and torchrun both send one; it must not abort the save).
     Used as a context manager: the previous handlers come back on exit, unless a stop was seen (then a
     late repeated SIGTERM keeps being ignored while the process exits)."""

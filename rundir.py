@@ -26,7 +26,7 @@ import torch
 from safetensors import SafetensorError
 
 import data
-from config import RankError, TrainConfig, data_path, init_dir, parse_args, validate
+from config import RankError, TrainConfig, data_path, init_dir, parse_args, pooled, validate
 from hf_io import load_checkpoint_file, replace_atomic, write_atomic
 from model import Bert, BertConfig
 from monitor import Diverged, duration
@@ -398,6 +398,9 @@ class Run:
         if changed:  # said even when the lr at this step is the same (in warm-up): the decay moved
             print(f"the learning-rate schedule moved ({changed}): lr at step {step} was {lr_at(step, old):.2e}, "
                   f"now {lr_at(step, cfg):.2e} (warm-up {cfg.warmup_steps}, linear decay to 0 at {cfg.max_steps})")
+        if pooled(cfg.objective) and not cfg.negative_pool and old.batch_size != cfg.batch_size:
+            print(f"note: the negative pool is the per-process micro-batch, now {cfg.batch_size} sequences (was "
+                  f"{old.batch_size}: another layout or --batch_size); --negative_pool N fixes a pool's size")
         if export_step(cfg.out_dir) != step:  # a run killed between ckpt.pt and the export: ckpt.pt wins
             with self.failing_write(f"rewrite the Hugging Face export of step {step} in {cfg.out_dir}"):
                 self.model.save_pretrained(cfg.out_dir, mlm_head=self.trains_head, step=step)

@@ -640,6 +640,11 @@ def test_resume_with_another_batch_size_continues_at_the_same_sequence(corpus, c
     assert "grad_accum 2" in out and "the learning-rate schedule moved (max_steps 6 -> 12)" in out
     assert len(seen["whole"]) == 12 * 8 and seen["split"] == seen["whole"]
     assert hf_io.load_checkpoint_file(str(tmp_path / "split" / "ckpt.pt"))["loader"] == {"sequences": 96}
+    assert "negative pool" not in out  # MLM has none
+    # TACO without --negative_pool draws from the per-process micro-batch: a resume that halves it says so
+    assert run_main(flags(corpus, cache, tmp_path / "taco", objective="taco", max_steps=6), capsys)[0] == 0
+    code, out, err = run_main(["--resume", tmp_path / "taco", "--max_steps", 8, "--batch_size", 4], capsys)
+    assert code == 0 and "note: the negative pool is the per-process micro-batch, now 4 sequences (was 8" in out, err
     # the data order and split may not change on resume
     for name, value in (("seed", 1), ("val_fraction", 0.1)):
         code, _, err = run_main(["--resume", tmp_path / "split", f"--{name}", value], capsys)
