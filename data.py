@@ -200,9 +200,9 @@ def load_tokenizer(path):
     tok.no_padding()
     return tok
 
-def save_tokenizer(tok, dir):
+def save_tokenizer(tok, dir, model_max_length=512):
     """Write tokenizer.json + vocab.txt + HF configs (each atomically), so transformers.AutoTokenizer loads dir."""
-    token_files.write_tokenizer(tok, dir)
+    token_files.write_tokenizer(tok, dir, model_max_length)
 
 def special_token_ids(tok):
     """dict(pad=, unk=, cls=, sep=, mask=) ids: 0..4 for ours, 0/100/101/102/103 for bert-base."""

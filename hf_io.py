@@ -190,9 +190,11 @@ def config_from_hf(hf, vocab=None):
     exports), else from vocab (token -> id, the directory's tokenizer), else bert-base-uncased's at 30,522."""
     if not isinstance(hf, dict):
         raise ValueError(f"expected a JSON object, got {type(hf).__name__}")
-    if hf.get("hidden_act", "gelu") != "gelu" or hf.get("position_embedding_type", "absolute") != "absolute":
-        raise ValueError(f"unsupported BERT variant (hidden_act={hf.get('hidden_act')}, "
-                         f"position_embedding_type={hf.get('position_embedding_type')})")
+    if hf.get("model_type", "bert") != "bert":  # RoBERTa's weights have BERT's names but offset positions
+        raise ValueError(f"model_type {hf['model_type']!r}: not a BERT (this project loads BERT weights only)")
+    for key, ours in (("hidden_act", "gelu"), ("position_embedding_type", "absolute")):
+        if hf.get(key, ours) != ours:
+            raise ValueError(f"unsupported BERT variant ({key} {hf[key]!r}; this model has {ours!r})")
     if hf.get("is_decoder") or hf.get("add_cross_attention"):  # a causal mask / cross-attention: not this model
         raise ValueError("unsupported BERT variant (is_decoder or add_cross_attention)")
     values = dict(

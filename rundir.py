@@ -318,9 +318,12 @@ def model_config_for(cfg, ckpt, init_model, fresh, special):
     if init_model:
         mine = (init_model.config.vocab_size, init_model.config.mask_token_id, init_model.config.cls_token_id)
         if mine != (fresh.vocab_size, special["mask"], special["cls"]):
+            why = ("training needs them equal: MLM predicts over the rows and random replacements draw from them"
+                   if mine[1:] == (special["mask"], special["cls"]) else
+                   "pass --tokenizer with the one its weights were trained with")
             raise ValueError(f"--init_from {cfg.init_from}: its vocabulary (size, [MASK], [CLS] = {mine}) does not "
                              f"match the tokenizer's in {cfg.tokenizer} ({fresh.vocab_size}, {special['mask']}, "
-                             f"{special['cls']}); pass --tokenizer with the one its weights were trained with")
+                             f"{special['cls']}); {why}")
         return replace(init_model.config, dropout=cfg.dropout)
     return fresh
 
@@ -373,7 +376,7 @@ class Run:
             return
         cfg, ckpt = self.cfg, self.ckpt
         if not ckpt:  # a resumed run's tokenizer is the one in its directory: never rewritten
-            data.save_tokenizer(tok, cfg.out_dir)
+            data.save_tokenizer(tok, cfg.out_dir, self.model_config.max_position_embeddings)
         log_path = os.path.join(cfg.out_dir, "log.jsonl")
         if not ckpt and os.path.isfile(log_path):
             print(f"note: {cfg.out_dir} holds a run stopped before its first checkpoint: it starts again from step 0 "

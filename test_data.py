@@ -115,6 +115,9 @@ def test_save_is_atomic_and_corrupt_files_are_one_error(tok_dir, tmp_path, monke
         with pytest.raises(ValueError, match=re.escape(str(d / name))) as info:
             data.load_tokenizer(d)
         assert "\n" not in str(info.value)
+    (tmp_path / "weights_only").mkdir()  # a model directory without its tokenizer: the line names both files
+    with pytest.raises(ValueError, match="no tokenizer.json or vocab.txt in .*weights_only: copy the tokenizer"):
+        data.load_tokenizer(tmp_path / "weights_only")
 
 
 def test_a_hub_name_fetches_that_tokenizer(tmp_path, monkeypatch):

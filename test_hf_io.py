@@ -118,6 +118,15 @@ def test_hf_checkpoints_this_bert_cannot_hold_are_refused(tmp_path):
         Bert.from_pretrained(save_hf(untied, str(tmp_path / "untied")))
     with pytest.raises(ValueError, match="is_decoder"):
         Bert.from_pretrained(save_hf(transformers.BertForMaskedLM(cfg(is_decoder=True)), str(tmp_path / "decoder")))
+    for kw, needle in ((dict(hidden_act="gelu_new"), "hidden_act 'gelu_new'"),
+                       (dict(position_embedding_type="relative_key"), "position_embedding_type 'relative_key'")):
+        with pytest.raises(ValueError, match=needle):
+            Bert.from_pretrained(save_hf(transformers.BertForMaskedLM(cfg(**kw)), str(tmp_path / "variant")))
+    # RoBERTa's weights carry BERT's names (its positions start after the padding id): refused by its model_type
+    rcfg = {k: v for k, v in hf_tiny().config.to_dict().items() if k not in ("model_type", "architectures")}
+    roberta = transformers.RobertaModel(transformers.RobertaConfig(**{**rcfg, "max_position_embeddings": 66}))
+    with pytest.raises(ValueError, match="model_type 'roberta': not a BERT"):
+        Bert.from_pretrained(save_hf(roberta, str(tmp_path / "roberta")))
     deeper = save_hf(transformers.BertForMaskedLM(cfg(num_hidden_layers=3)), str(tmp_path / "deeper"))
     config = json.load(open(os.path.join(deeper, "config.json")))
     json.dump({**config, "num_hidden_layers": 2}, open(os.path.join(deeper, "config.json"), "w"))

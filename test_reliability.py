@@ -581,6 +581,12 @@ def test_init_from_flags_that_cannot_work_are_refused(corpus, cache, tmp_path, c
     assert code == 2, err
     one_error(err, "no tokenizer.json or vocab.txt", "--tokenizer")
     assert not (tmp_path / "new").exists()
+    # a tokenizer of another size with the same special ids: the line says why the sizes must agree
+    data.train_tokenizer([Path(corpus).read_text()], vocab_size=100, save_dir=str(tmp_path / "tok100"))  # of 126
+    code, _, err = run_main(flags(corpus, cache, tmp_path / "new") + ["--init_from", export, "--tokenizer",
+                                                                       tmp_path / "tok100"], capsys)
+    assert code == 2, err
+    one_error(err, "does not match the tokenizer's", "training needs them equal")
     # --init_from a ckpt.pt takes the tokenizer of its directory, as --init_from the directory does
     other = tmp_path / "other.txt"
     other.write_text(Path(corpus).read_text().upper().replace("E", "Q"))  # trains another vocabulary

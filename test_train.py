@@ -300,11 +300,16 @@ def test_init_from_a_hugging_face_bert_model_with_a_pooler(corpus, tmp_path):
     transformers = pytest.importorskip("transformers")
     assert run(common(corpus, tmp_path, out="mlm", max_steps=5, ckpt_interval=5)).returncode == 0
     hf = transformers.BertModel.from_pretrained(str(tmp_path / "mlm"))  # our export, plus a fresh pooler
+    state = {k: v[:64] if k.endswith("position_embeddings.weight") else v for k, v in hf.state_dict().items()}
+    hf = transformers.BertModel(transformers.BertConfig(**{**hf.config.to_dict(), "max_position_embeddings": 64}))
+    hf.load_state_dict(state)  # a model of 64 positions, as HF models of fewer than 512 come
     hf.save_pretrained(str(tmp_path / "hf"))
     (tmp_path / "hf" / "vocab.txt").write_text((tmp_path / "mlm" / "vocab.txt").read_text())
     r = run(common(corpus, tmp_path, out="cont", max_steps=1, lr=1e-12, warmup_steps=0, init_from=tmp_path / "hf"))
     assert r.returncode == 0, r.stderr
     assert "has no MLM head that its run trained (a BertModel, or an ELECTRA / COCO-LM run)" in r.stdout
+    # the run's tokenizer says where the model's positions end: transformers' truncation=True cuts there
+    assert json.loads((tmp_path / "cont" / "tokenizer_config.json").read_text())["model_max_length"] == 64
     ours = train.Bert.from_pretrained(str(tmp_path / "cont")).state_dict()
     start = train.Bert.from_pretrained(str(tmp_path / "hf")).state_dict()
     for k, v in ours.items():

@@ -109,6 +109,9 @@ def read_tokenizer(path):
                                chinese_chars=options.get("tokenize_chinese_chars", True))
             except (ValueError, AttributeError) as e:
                 raise ValueError(f"cannot read tokenizer config {config}: {first_line(e)}") from None
+        if not (path / "tokenizer.json").exists() and not (path / "vocab.txt").exists():
+            raise ValueError(f"no tokenizer.json or vocab.txt in {path}: copy the tokenizer its weights were "
+                             f"trained with there")
         path = path / "tokenizer.json" if (path / "tokenizer.json").exists() else path / "vocab.txt"
     if not path.is_file():
         raise ValueError(f"tokenizer not found: {path}")
@@ -133,8 +136,9 @@ def _hub_tokenizer(name):
         raise ValueError(f"tokenizer not found: {name} is no local file or directory, and the hub gives no "
                          f"tokenizer by that name ({first_line(e)})") from None
 
-def write_tokenizer(tok, dir):
-    """tokenizer.json + vocab.txt + HF configs (each atomically), so transformers.AutoTokenizer loads dir."""
+def write_tokenizer(tok, dir, model_max_length=512):
+    """tokenizer.json + vocab.txt + HF configs (each atomically), so transformers.AutoTokenizer loads dir;
+    model_max_length (the model's positions) is where transformers' truncation=True cuts."""
     dir = Path(dir)
     dir.mkdir(parents=True, exist_ok=True)
     vocab = tok.get_vocab()
@@ -146,7 +150,7 @@ def write_tokenizer(tok, dir):
     specials = dict(unk_token="[UNK]", sep_token="[SEP]", pad_token="[PAD]",
                     cls_token="[CLS]", mask_token="[MASK]")
     config = dict(tokenizer_class="BertTokenizerFast", do_lower_case=lowercase,
-                  model_max_length=512, **specials)
+                  model_max_length=model_max_length, **specials)
     write_atomic(dir / "tokenizer_config.json", json.dumps(config, indent=2))
     write_atomic(dir / "special_tokens_map.json", json.dumps(specials, indent=2))
 
