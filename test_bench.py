@@ -34,9 +34,10 @@ def test_bench_runs_every_objective_on_cpu(tmp_path, capsys):
 
 def test_hf_baseline_same_config_on_cpu(capsys):
     transformers = pytest.importorskip("transformers")
-    results = bench.main(TINY + ["--objectives", "mlm", "--hf"])
-    ours, hf = results
-    assert (ours["objective"], hf["objective"]) == ("mlm", "hf-mlm")
+    results = bench.main(TINY + ["--objectives", "mlm", "--hf", "--hf_masked"])
+    ours, hf, hf_masked = results
+    assert (ours["objective"], hf["objective"], hf_masked["objective"]) == ("mlm", "hf-mlm", "hf-masked")
+    assert hf_masked["params_m"] == hf["params_m"] and hf_masked["tokens_per_s"] > 0
     # same architecture: the parameter counts differ only by our 6 padded vocab rows (30522 -> 30528)
     config = BertConfig(**MODEL_PRESETS["tiny"])
     padding = (config.padded_vocab_size - config.vocab_size) * (config.hidden_size + 1)  # embedding rows + head bias
@@ -44,6 +45,7 @@ def test_hf_baseline_same_config_on_cpu(capsys):
     out = capsys.readouterr().out
     assert "tiny   mlm " in out and "tiny   hf-mlm " in out
     assert "our MLM runs" in out and "Hugging Face's tokens/s" in out
+    assert "Hugging Face's, its head on the selected positions, tokens/s" in out
     hf_config = transformers.BertConfig(**bench.config_to_hf(config))
     assert (hf_config.hidden_size, hf_config.num_hidden_layers, hf_config.num_attention_heads,
             hf_config.intermediate_size, hf_config.hidden_dropout_prob) == (128, 2, 2, 512, 0.1)
