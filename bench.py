@@ -157,20 +157,27 @@ def sync(device):
 
 
 def time_steps(step, args, device):
-    """(wall ms per step, process CPU ms per step, peak GB or None) over args.steps steps after
-    args.warmup untimed ones. CPU time (all threads) is the steadier measure on a shared CPU."""
+    """(wall ms per step, process CPU ms per step, peak GB or None, wall ms per step of each window) over
+    args.steps steps after args.warmup untimed ones, timed in up to 3 windows: their spread says how steady
+    the mean is. CPU time (all threads) is the steadier measure on a shared CPU."""
     for i in range(args.warmup):  # compile happens here
         step(i)
     sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    t, cpu_t = time.perf_counter(), time.process_time()
-    for i in range(args.steps):
-        step(i)
-    sync(device)
+    parts = [len(w) for w in torch.arange(args.steps).tensor_split(min(3, args.steps))]
+    t, cpu_t, windows, i = time.perf_counter(), time.process_time(), [], 0
+    for n in parts:
+        t_window = time.perf_counter()
+        for _ in range(n):
+            step(i)
+            i += 1
+        sync(device)  # each window ends when its kernels do
+        windows.append((time.perf_counter() - t_window) / n * 1e3)
     step_ms = (time.perf_counter() - t) / args.steps * 1e3
     cpu_ms = (time.process_time() - cpu_t) / args.steps * 1e3
-    return step_ms, cpu_ms, torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
+    peak_gb = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
+    return step_ms, cpu_ms, peak_gb, windows
 
 
 def top_events(events, self_time, n, steps):
@@ -263,7 +270,7 @@ def build(name, size, args, device):
 def summarise(name, size, args, device, built, timing):
     """The result row of a built run and its (wall ms, process CPU ms, peak GB) per step."""
     _, params, cfg, config, t0 = built
-    step_ms, cpu_ms, peak_gb = timing
+    step_ms, cpu_ms, peak_gb, *windows = timing  # --interleave: medians over rounds, no windows
     tokens_per_s = args.batch_size * args.seq_len / (step_ms / 1e3)
     flops = objective_flops_per_token(cfg.objective, config, cfg, args.seq_len)
     peak_flops = gpu_peak_flops(device) if device.type == "cuda" and flops else None
@@ -272,7 +279,8 @@ def summarise(name, size, args, device, built, timing):
                 dtype="bf16 autocast" if device.type == "cuda" else "fp32", step_ms=step_ms, cpu_ms=cpu_ms,
                 tokens_per_s=tokens_per_s, model_tflops=tokens_per_s * flops / 1e12 if flops else None,
                 mfu=tokens_per_s * flops / peak_flops if peak_flops else None, peak_mem_gb=peak_gb,
-                interleaved=args.interleave,  # run_s: build + compile + steps (interleaved: every run's, so none)
+                step_ms_windows=windows[0] if windows else None, interleaved=args.interleave,
+                # run_s: build + compile + steps (interleaved: every run's, so none)
                 run_s=None if args.interleave else time.perf_counter() - t0)
 
 
@@ -293,15 +301,17 @@ def time_interleaved(steps, args):
 
 
 HEADER = (f"{'size':6} {'objective':9} {'params':>7} {'tokens/s':>10} {'step ms':>9} {'vs mlm':>7} {'MFU':>6} "
-          f"{'peak GB':>8}")
+          f"{'peak GB':>8} {'spread':>7}")
 
 
 def table_row(r):
     vs = f"{r['vs_mlm']:.2f}x" if r["vs_mlm"] else "-"
     mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
     mem = f"{r['peak_mem_gb']:.2f}" if r["peak_mem_gb"] is not None else "-"
+    windows = r.get("step_ms_windows")  # the timed windows' range over their mean: how steady the step time is
+    spread = f"{(max(windows) - min(windows)) / r['step_ms']:.1%}" if windows and len(windows) > 1 else "-"
     return (f"{r['model_size']:6} {r['objective']:9} {r['params_m']:6.1f}M {r['tokens_per_s']:10,.0f} "
-            f"{r['step_ms']:9.1f} {vs:>7} {mfu:>6} {mem:>8}")
+            f"{r['step_ms']:9.1f} {vs:>7} {mfu:>6} {mem:>8} {spread:>7}")
 
 
 HF_RUNS = ("hf-mlm", "hf-masked")

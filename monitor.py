@@ -179,7 +179,9 @@ def objective_flops_per_token(objective, config, cfg, seq_len):
 def gpu_peak_flops(device):
     # dense bf16 tensor-core peaks from the datasheets; unknown GPUs report no MFU
     name = torch.cuda.get_device_name(device)
-    for key, peak in (("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("L4", 121e12), ("4090", 165e12)):
+    # (H100 PCIe and NVL have lower clocks than the SXM part's 989 TFLOP/s: matched first)
+    for key, peak in (("H200", 989e12), ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12),
+                      ("A100", 312e12), ("L4", 121e12), ("4090", 165e12)):
         if key in name:
             return peak
     return None

@@ -234,3 +234,22 @@ def test_a_failing_run_keeps_the_other_rows_and_hf_runs_after_our_mlm(tmp_path, 
     results = bench.main(TINY + ["--objectives", "mlm", "--hf", "--json", str(out)])
     assert "ZeroDivisionError" in results[0]["error"] and "error" not in results[1]
     assert json.loads(out.read_text())["hf_ratios"] == []
+
+
+def test_timed_steps_come_in_windows_whose_spread_is_reported(capsys):
+    # one mean over a single window hides a drifting machine: up to 3 windows, each's ms per step kept
+    r = bench.main(TINY[:-4] + ["--steps", "7", "--warmup", "1", "--objectives", "mlm"])[0]
+    windows = r["step_ms_windows"]
+    assert len(windows) == 3 and r["step_ms"] == pytest.approx((3 * windows[0] + 2 * windows[1] + 2 * windows[2]) / 7,
+                                                               rel=0.05)
+    assert bench.HEADER.endswith("spread") and "%" in capsys.readouterr().out.splitlines()[-2]
+    assert bench.main(TINY + ["--objectives", "mlm"])[0]["step_ms_windows"] and "-" in bench.table_row(
+        dict(r, step_ms_windows=windows[:1]))
+
+
+def test_gpu_peak_flops_tells_the_h100_parts_apart(monkeypatch):
+    from monitor import gpu_peak_flops
+    for name, peak in (("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 NVL", 835e12),
+                       ("NVIDIA H200", 989e12), ("Some GPU", None)):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, name=name: name)
+        assert gpu_peak_flops(0) == peak, name
