@@ -459,10 +459,17 @@ def main(argv=None):
                 names.insert(names.index("hf-mlm") + 1, "hf-masked")
         mlm_ms = None
         if args.interleave:
-            built = {name: build(name, size, args, device) for name in names}
+            built, unbuilt = {}, {}
+            for name in names:
+                try:
+                    built[name] = build(name, size, args, device)
+                except Exception as e:  # a failed row below, as without --interleave
+                    unbuilt[name] = e
             timings = time_interleaved({name: b[0] for name, b in built.items()}, args)
         for name in names:
             try:
+                if args.interleave and name in unbuilt:
+                    raise unbuilt[name]
                 run = built.pop(name) if args.interleave else build(name, size, args, device)
                 step = run[0]
                 r = summarise(name, size, args, device, run, timings[name] if args.interleave else

@@ -234,6 +234,10 @@ def test_a_failing_run_keeps_the_other_rows_and_hf_runs_after_our_mlm(tmp_path, 
     results = bench.main(TINY + ["--objectives", "mlm", "--hf", "--json", str(out)])
     assert "ZeroDivisionError" in results[0]["error"] and "error" not in results[1]
     assert json.loads(out.read_text())["hf_ratios"] == []
+    # the same under --interleave, where every run of a size is built before any is timed
+    monkeypatch.setattr(bench, "build_ours", build_ours)
+    results = bench.main(TINY + ["--objectives", "taco,mlm", "--taco_negatives", "4", "--interleave"])
+    assert "OutOfMemoryError" in results[0]["error"] and "error" not in results[1]
 
 
 def test_timed_steps_come_in_windows_whose_spread_is_reported(capsys):
