@@ -822,6 +822,12 @@ def budget_section(records):
     return lines + [""]
 
 
+def bench_spread(row):
+    """bench.py's timed windows' range over the mean step time ('–' for a row without windows)."""
+    windows = row.get("step_ms_windows") or []
+    return f"{(max(windows) - min(windows)) / row['step_ms']:.1%}" if len(windows) > 1 else "–"
+
+
 def speed_section(into):
     """bench.py's rows and Hugging Face ratios, the MLM small step's top kernels, test_cuda.py's last line."""
     lines = ["## `speed`: like for like against Hugging Face", ""]
@@ -833,16 +839,17 @@ def speed_section(into):
         info = report.get("info", {})
         lines += [f"`{info.get('command', 'bench.py')}` on {info.get('device', '?')}, torch {info.get('torch', '?')}:",
                   "", *reproduce.table_head("size", "objective", "params M", "tokens/s", "step ms", "vs MLM",
-                                            "MFU", "peak GB")]
+                                            "MFU", "peak GB", "spread")]
         for r in report.get("results", []):
             if "error" in r:
-                cells = [r.get("model_size"), r.get("objective"), f"failed: {r['error'][:80]}"] + [""] * 5
+                cells = [r.get("model_size"), r.get("objective"), f"failed: {r['error'][:80]}"] + [""] * 6
                 lines.append("| " + " | ".join(map(str, cells)) + " |")
                 continue
             lines.append(f"| {r['model_size']} | {r['objective']} | {r['params_m']:.1f} | {r['tokens_per_s']:,.0f} | "
                          f"{r['step_ms']:.1f} | {reproduce.fmt(r.get('vs_mlm'), 2)} | "
                          f"{reproduce.fmt(100 * r['mfu'] if r.get('mfu') is not None else None, 1)}"
-                         f"{'%' if r.get('mfu') is not None else ''} | {reproduce.fmt(r.get('peak_mem_gb'), 2)} |")
+                         f"{'%' if r.get('mfu') is not None else ''} | {reproduce.fmt(r.get('peak_mem_gb'), 2)} | "
+                         f"{bench_spread(r)} |")
         lines += [""] + [f"- {ratio['line']}" for ratio in report.get("hf_ratios", [])] + [""]
         for r in report.get("results", []):
             prof = r.get("profile")

@@ -5,6 +5,7 @@ import json
 import lzma
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -227,6 +228,7 @@ def test_merging_any_subset_of_toy_archives_gives_one_coherent_report(toy, tmp_p
     assert device_run.main(["merge", *archives("electra-cocolm", "speed"), "--into", str(into)]) == 0
     text = (into / "results.md").read_text()
     assert "not run yet" not in text and "| hf-mlm |" in text and "our MLM runs" in text
+    assert "| peak GB | spread |" in text and re.search(r"\| tiny \| mlm \|.*\| \d+\.\d% \|", text)  # 2 windows
     cut = tmp_path / "cut"
     with tarfile.open(root / "out" / "electra-cocolm.tar.gz") as tar:
         tar.extractall(cut, filter="data")
