@@ -1,10 +1,9 @@
 """
-Pretraining objectives, one nn.Module each (MLM and TACO own no parameters; one interface lets train.py treat all
-five alike), built as LOSSES[name](model, cfg) (cfg: config.TrainConfig, where each hyperparameter's default and
-source are) and called as `loss, metrics = objective(model, batch, rng)`: MLM (Devlin et al., 2019), TACO (Fu et
-al., ACL 2022), TaCL (Su et al., Findings of NAACL 2022), COCO-LM (Meng et al., NeurIPS 2021) and ELECTRA (Clark
-et al., ICLR 2020). Each docstring names its equations; every deviation from an official implementation has a
-comment line here and a numbered entry in docs/fidelity.md ("fidelity note N").
+Pretraining objectives: MLM (Devlin et al., 2019), TACO (Fu et al., ACL 2022), TaCL (Su et al., NAACL Findings
+2022), COCO-LM (Meng et al., NeurIPS 2021), ELECTRA (Clark et al., ICLR 2020). One nn.Module each, built as
+LOSSES[name](model, cfg) (cfg: config.TrainConfig, with each hyperparameter's default and source) and called as
+`loss, metrics = objective(model, batch, rng)`. Each docstring names its equations; each deviation from an
+official implementation is a comment here and a numbered "fidelity note N" in docs/fidelity.md.
 
 - model is the Bert (or torch.compile(model): attributes pass through); an objective calls model(...) and
   model.mlm_logits(...) but never stores it, so the encoder's weights stay out of objective.state_dict(). What an
@@ -66,12 +65,11 @@ def random_real_tokens(shape, config, rng, device):
 def mask_tokens(input_ids, config, rng, mask_prob=0.15, mask_frac=0.8, random_frac=0.1, attention_mask=None):
     """BERT's dynamic masking with fixed shapes and no host sync.
 
-    Eligible = not a special token ([CLS], [SEP], [PAD], [MASK], [UNK]) and not padding. Each
-    row gets exactly round(mask_prob * its eligible count) positions, uniformly at random (the
-    top-k of random scores, ineligible positions scored below all), written into K =
-    ceil(mask_prob * T) slots; slots beyond a row's count are unused and labelled -100. Of the
-    selected: mask_frac -> [MASK], random_frac -> a random real token, the rest unchanged
-    (BERT 80/10/10; ELECTRA 85/0/15). The MLM head then runs on the K gathered slots only.
+    Eligible = not a special token ([CLS], [SEP], [PAD], [MASK], [UNK]) and not padding. Each row gets exactly
+    round(mask_prob * its eligible count) positions, uniformly at random (the top-k of random scores, ineligible
+    positions scored below all), written into K = ceil(mask_prob * T) slots; slots beyond a row's count are
+    unused and labelled -100. Of the selected: mask_frac -> [MASK], random_frac -> a random real token, the rest
+    unchanged (BERT 80/10/10; ELECTRA 85/0/15). The MLM head then runs on the K gathered slots only.
     Returns corrupted ids (B, T), positions (B, K) long, labels (B, K) long (-100 = unused).
     """
     B, T = input_ids.shape
@@ -145,10 +143,9 @@ def masked_bce(logits, targets, mask):
 
 
 def pool_size(negative_pool, batch_size, minimum=1):
-    """Rows that share one pool of negatives (TACO) or one NT-Xent batch (COCO-LM's SCL): groups of negative_pool
-    consecutive rows of the per-process micro-batch; 0 = the whole micro-batch (the official codes). A fixed pool
-    makes the objective the same on 1 or 16 GPUs and with any gradient accumulation. TACO needs a `minimum` of 2
-    rows; COCO-LM's NT-Xent computes on one (no negative: loss 0), which config.pool_problem refuses, as TACO's."""
+    """Rows that share one pool of negatives (TACO) or one NT-Xent batch (COCO-LM's SCL): negative_pool consecutive
+    rows of the per-process micro-batch, 0 = all of it (the official codes). A fixed pool keeps the pools alike on
+    1 or 16 GPUs and any accumulation. TACO needs `minimum` 2 rows (config.pool_problem refuses 1 for both)."""
     if negative_pool < 0 or (negative_pool and batch_size % negative_pool):
         raise ValueError(f"negative_pool {negative_pool} must divide the per-process batch size {batch_size} "
                          f"(0 = the whole micro-batch)")
@@ -225,12 +222,11 @@ def taco_samples(valid, window, num_negatives, rng, pool=0):
 class TACO(nn.Module):
     """Token-alignment contrastive objective (Fu et al., ACL 2022, Eq. 3, 6-11), on top of MLM.
 
-    g = h - emb(x~) (out of place) is each token's global part. Anchors: every non-pad position
-    (taco_anchors="all", the official default) or the masked ones ("masked", concentrated TACO).
-    One positive per anchor from a +-W//2 window of its own row, K negatives from the other rows of
-    its pool (taco_samples; negative_pool consecutive rows, 0 = the micro-batch as the official code).
-    s = cos / tau; positives and negatives are detached (taco_stop_grad), so the gradient reaches h
-    and the embedding layer through the anchor only.
+    g = h - emb(x~) (out of place) is each token's global part. Anchors: every non-pad position (taco_anchors
+    "all", the official default) or the masked ones ("masked", concentrated TACO). One positive per anchor
+    from a +-W//2 window of its own row, K negatives from the other rows of its pool (taco_samples;
+    negative_pool consecutive rows, 0 = the micro-batch as the official code). s = cos / tau; positives and
+    negatives are detached (taco_stop_grad), so the gradient reaches h and the embeddings through the anchor.
     L_TC = mean over anchors of -log(e^{s+} / (e^{s+} + sum_k e^{s-_k})); L = L_MLM + lambda * L_TC.
     Memory: negatives are scored by NegativeDots, never gathered as one (B, T, K, D) tensor.
     """
@@ -290,11 +286,10 @@ class TaCL(nn.Module):
     """Token-aware contrastive learning (Su et al., Findings of NAACL 2022; L_tc and L_TaCL of §2),
     continual pretraining from --init_from.
 
-    Student = the model on the masked input x~; teacher = a frozen copy of the starting weights
-    on the original x (no grad, eval mode, bf16 on GPUs with native bf16). For every masked position i (all 15%):
-    s_ij = cos(student_i, teacher_j) / tau over the positions j of the same row, padding columns
-    excluded; L_tc = mean over i of -log softmax_j(s_ij)[i]. L = L_MLM + L_tc (no NSP).
-    """
+    Student = the model on the masked input x~; teacher = a frozen copy of the starting weights on the original
+    x (no grad, eval mode, bf16 on GPUs with native bf16). For every masked position i (all 15%): s_ij =
+    cos(student_i, teacher_j) / tau over the positions j of the same row, padding columns excluded;
+    L_tc = mean over i of -log softmax_j(s_ij)[i]. L = L_MLM + L_tc (no NSP)."""
 
     def __init__(self, model, cfg):
         super().__init__()
@@ -369,15 +364,13 @@ def generator_config(config, cfg):
 
 
 class Generator(nn.Module):
-    """COCO-LM/ELECTRA's auxiliary MLM on the main model's embeddings (word/position/type +
-    LayerNorm, shared, not copied), decoding with the shared word-embedding matrix; its shape is
-    generator_config's. A narrower generator does as the official ELECTRA code: a linear layer
-    projects the D-wide shared embeddings to its width (embeddings_project), and its head's dense
-    layer maps back to D (dense -> GELU -> LayerNorm at D) for the tied decoder.
+    """COCO-LM/ELECTRA's auxiliary MLM on the main model's embeddings (word/position/type + LayerNorm, shared,
+    not copied), decoding with the shared word-embedding matrix; its shape is generator_config's. A narrower
+    generator does as the official ELECTRA code: a linear layer projects the D-wide shared embeddings to its
+    width (embeddings_project), and its head's dense layer maps back to D for the tied decoder.
     mask_frac / random_frac: the [MASK] / random split of mask_tokens (COCO-LM 0.8 / 0.1, ELECTRA 0.85 / 0).
-    sample_dropout_off: sample from a second, dropout-off forward (COCO-LM's choice); otherwise
-    sample from the training logits (official ELECTRA: one forward, stop_gradient on the samples)
-    (fidelity notes 16, 18)."""
+    sample_dropout_off: sample from a second, dropout-off forward (COCO-LM's choice); otherwise from the
+    training logits (official ELECTRA: one forward, stop_gradient on the samples) (fidelity notes 16, 18)."""
 
     def __init__(self, config, cfg, mask_frac, random_frac, sample_dropout_off):
         super().__init__()
@@ -421,11 +414,10 @@ class Generator(nn.Module):
 
 
 def crop_views(input_ids, config, rng, fraction=0.9, attention_mask=None):
-    """COCO-LM's second view: a uniformly placed contiguous crop of `fraction` of the tokens
-    between each row's [CLS] and final [SEP] (rows are [CLS] ... [SEP] then right padding),
-    re-wrapped as [CLS] crop [SEP] and padded (attention mask 0) to T. Returns (ids, mask).
-    Unpadded batches crop every row to the same length, so they are cut to that length
-    instead, with no mask: the same [CLS] output, and SDPA keeps its flash kernel (fidelity note 17)."""
+    """COCO-LM's second view: a uniformly placed contiguous crop of `fraction` of the tokens between each row's
+    [CLS] and final [SEP] (rows are [CLS] ... [SEP] then right padding), re-wrapped as [CLS] crop [SEP] and
+    padded (attention mask 0) to T. Returns (ids, mask). Unpadded batches crop every row to the same length, so
+    they are cut to it, with no mask: the same [CLS] output, and SDPA keeps its flash kernel (fidelity note 17)."""
     B, T = input_ids.shape
     inner = non_pad(input_ids, attention_mask).sum(1) - 2  # (B,) tokens between [CLS] and [SEP]
     keep = (inner.double() * fraction).round().long()
@@ -534,12 +526,11 @@ class COCOLM(nn.Module):
 
 class ELECTRA(nn.Module):
     """ELECTRA replaced-token detection (Clark et al., ICLR 2020, §2), COCO-LM's natural baseline.
-    The generator (COCO-LM's code; gen_shape "electra" for ELECTRA's own narrow, full-depth one)
-    does MLM on 85% [MASK] / 15% unchanged masking; its samples, drawn from the same training
-    logits as the official code (one generator forward, no gradient), replace the masked tokens;
-    the discriminator (main model + dense -> GELU -> linear(1)) labels every non-pad token
-    replaced (sample != original) or not. L = L_gen + lambda * mean BCE (electra_disc_weight, 50 in App. A).
-    The main model's MLM head is unused."""
+    The generator (COCO-LM's code; gen_shape "electra" for ELECTRA's own narrow, full-depth one) does MLM on 85%
+    [MASK] / 15% unchanged masking; its samples, drawn from the same training logits as the official code (one
+    generator forward, no gradient), replace the masked tokens; the discriminator (main model + dense -> GELU ->
+    linear(1)) labels every non-pad token replaced (sample != original) or not.
+    L = L_gen + lambda * mean BCE (electra_disc_weight, 50 in App. A). The main model's MLM head is unused."""
 
     def __init__(self, model, cfg):
         super().__init__()
