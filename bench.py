@@ -129,7 +129,7 @@ def build_hf(cfg, config, args, device, autocast, masked=False):
         with autocast:
             return compiled(**batches[i % len(batches)]).loss
 
-    encoder = torch.compile(model.bert, dynamic=False) if args.compile else model.bert
+    encoder = (torch.compile(model.bert, dynamic=False) if args.compile else model.bert) if masked else None
 
     def masked_loss_at(i):  # the head on the selected positions (a boolean index: one host sync, ours has none)
         batch = batches[i % len(batches)]
@@ -280,6 +280,8 @@ def summarise(name, size, args, device, built, timing):
                 tokens_per_s=tokens_per_s, model_tflops=tokens_per_s * flops / 1e12 if flops else None,
                 mfu=tokens_per_s * flops / peak_flops if peak_flops else None, peak_mem_gb=peak_gb,
                 step_ms_windows=windows[0] if windows else None, interleaved=args.interleave,
+                # the windows' range over the mean step time: how steady the row is
+                spread=(max(windows[0]) - min(windows[0])) / step_ms if windows and len(windows[0]) > 1 else None,
                 # run_s: build + compile + steps (interleaved: every run's, so none)
                 run_s=None if args.interleave else time.perf_counter() - t0)
 
@@ -308,8 +310,7 @@ def table_row(r):
     vs = f"{r['vs_mlm']:.2f}x" if r["vs_mlm"] else "-"
     mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
     mem = f"{r['peak_mem_gb']:.2f}" if r["peak_mem_gb"] is not None else "-"
-    windows = r.get("step_ms_windows")  # the timed windows' range over their mean: how steady the step time is
-    spread = f"{(max(windows) - min(windows)) / r['step_ms']:.1%}" if windows and len(windows) > 1 else "-"
+    spread = f"{r['spread']:.1%}" if r.get("spread") is not None else "-"
     return (f"{r['model_size']:6} {r['objective']:9} {r['params_m']:6.1f}M {r['tokens_per_s']:10,.0f} "
             f"{r['step_ms']:9.1f} {vs:>7} {mfu:>6} {mem:>8} {spread:>7}")
 

@@ -822,12 +822,6 @@ def budget_section(records):
     return lines + [""]
 
 
-def bench_spread(row):
-    """bench.py's timed windows' range over the mean step time ('–' for a row without windows)."""
-    windows = row.get("step_ms_windows") or []
-    return f"{(max(windows) - min(windows)) / row['step_ms']:.1%}" if len(windows) > 1 else "–"
-
-
 def speed_section(into):
     """bench.py's rows and Hugging Face ratios, the MLM small step's top kernels, test_cuda.py's last line."""
     lines = ["## `speed`: like for like against Hugging Face", ""]
@@ -849,7 +843,8 @@ def speed_section(into):
                          f"{r['step_ms']:.1f} | {reproduce.fmt(r.get('vs_mlm'), 2)} | "
                          f"{reproduce.fmt(100 * r['mfu'] if r.get('mfu') is not None else None, 1)}"
                          f"{'%' if r.get('mfu') is not None else ''} | {reproduce.fmt(r.get('peak_mem_gb'), 2)} | "
-                         f"{bench_spread(r)} |")
+                         f"{reproduce.fmt(100 * r['spread'] if r.get('spread') is not None else None, 1)}"
+                         f"{'%' if r.get('spread') is not None else ''} |")
         lines += [""] + [f"- {ratio['line']}" for ratio in report.get("hf_ratios", [])] + [""]
         for r in report.get("results", []):
             prof = r.get("profile")
