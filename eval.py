@@ -527,7 +527,7 @@ def run_glue(args, log=print):
         raise ValueError("GLUE takes one --model: a run directory, a Hugging Face BERT directory or a ckpt.pt")
     args.model = args.model[0]
     tasks, seeds = parse_tasks(args.tasks), parse_seeds(args.seeds)
-    base = Bert.from_pretrained(args.model)  # ValueError on anything that is not a checkpoint
+    base = Bert.from_pretrained(args.model, mlm_head=False)  # the encoder; ValueError if not a checkpoint
     model_dir = args.model if os.path.isdir(args.model) else os.path.dirname(os.path.abspath(args.model))
     tok = load_tokenizer(model_dir)
     cfg = base.config

@@ -30,10 +30,11 @@ import torch.nn as nn
 # ----------------------------------------------------------------------------------
 # Bert's Hugging Face methods (model.py calls these)
 
-def from_pretrained(cls, path):
+def from_pretrained(cls, path, mlm_head=True):
     """Load a Hugging Face BERT directory (BertForMaskedLM or BertModel weights, in
     model.safetensors or pytorch_model.bin), a run directory of this project (same
-    format), or a training checkpoint file ckpt.pt of this project."""
+    format), or a training checkpoint file ckpt.pt of this project. mlm_head=False reads
+    the encoder alone (fine-tuning never uses the MLM head, so an untied one is no obstacle)."""
     if os.path.isfile(path):
         return _load_project_checkpoint(path)
     if not os.path.isdir(path):
@@ -54,6 +55,8 @@ def from_pretrained(cls, path):
         raise ValueError(f"{cfg_path}: not a valid BERT config ({_last_line(e)})") from None
     state = _read_weights(path)
     model = cls(config)
+    if not mlm_head:
+        state = {k: v for k, v in state.items() if not k.startswith("cls.")}
     model.fresh_head = not model.load_hf_state_dict(state, source=path)
     model.training_step = hf.get("training_step")  # an export of this project says which step it holds
     return model

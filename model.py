@@ -208,11 +208,11 @@ class Bert(nn.Module):
     # Hugging Face import / export: plumbing the algorithm does not need, in hf_io.py
 
     @classmethod
-    def from_pretrained(cls, path):
+    def from_pretrained(cls, path, mlm_head=True):
         """Load a Hugging Face BERT directory (BertForMaskedLM or BertModel weights, in
         model.safetensors or pytorch_model.bin), a run directory of this project (same
-        format), or a training checkpoint file ckpt.pt of this project."""
-        return hf_io.from_pretrained(cls, path)
+        format), or a training checkpoint file ckpt.pt of this project; mlm_head=False: the encoder alone."""
+        return hf_io.from_pretrained(cls, path, mlm_head)
 
     def load_hf_state_dict(self, state, source="checkpoint"):
         """Copy weights under Hugging Face's names into this model; True if they hold an MLM head."""

@@ -116,6 +116,11 @@ def test_hf_checkpoints_this_bert_cannot_hold_are_refused(tmp_path):
     untied = transformers.BertForMaskedLM(cfg(tie_word_embeddings=False))
     with pytest.raises(ValueError, match="untied MLM decoder"):
         Bert.from_pretrained(save_hf(untied, str(tmp_path / "untied")))
+    # ... unless only the encoder is wanted (GLUE fine-tuning): then it loads, its head fresh
+    encoder = Bert.from_pretrained(str(tmp_path / "untied"), mlm_head=False)
+    assert encoder.fresh_head
+    assert torch.equal(encoder.embeddings.word.weight[:untied.config.vocab_size],
+                       untied.bert.embeddings.word_embeddings.weight)
     with pytest.raises(ValueError, match="is_decoder"):
         Bert.from_pretrained(save_hf(transformers.BertForMaskedLM(cfg(is_decoder=True)), str(tmp_path / "decoder")))
     for kw, needle in ((dict(hidden_act="gelu_new"), "hidden_act 'gelu_new'"),
