@@ -183,7 +183,7 @@ def spearman(x, y):
 @torch.no_grad()
 def contextual_score(model, input_ids, rng, special_ids):
     """TACO's contextual score on a batch of packed [CLS] ... [SEP] blocks (B, T): each
-    block is one context, every non-special position one token, no masking (App. A.3).
+    block is one context (A.3: a sentence; fidelity note 38), every non-special position one token, no masking.
     special_ids: data.special_token_ids(tok) dict, or any iterable of ids.
     Returns dict(intra=, inter=, contextual=) of floats."""
     ids = list(special_ids.values()) if isinstance(special_ids, dict) else list(special_ids)

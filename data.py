@@ -4,8 +4,9 @@ What a pretraining batch is, and how text becomes one, in the file's order: Bloc
 
 A batch is a (B, T) int64 tensor of token ids, T = seq_len (128 by default). Each row is [CLS], then T-2
 consecutive tokens of the stream, then [SEP]. Rows are packed: a row may span several documents (one [SEP]
-between two) and nothing is padded, so there is no attention mask (RoBERTa's full-sentence packing). Rows are
-the stream cut into non-overlapping windows of T-2, read in one seeded permutation per epoch.
+between two) and nothing is padded, so there is no attention mask (RoBERTa's full-sentence packing; the official
+TACO's windows are not re-wrapped, fidelity note 5). Rows are the stream cut into non-overlapping windows of
+T-2, read in one seeded permutation per epoch.
 
 - Stream: the corpus's documents one after another, one [SEP] between two; a document's lines are
   concatenated, blank lines dropped. Validation = the tail of the stream: val_fraction of the tokens, but

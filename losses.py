@@ -78,7 +78,7 @@ def mask_tokens(input_ids, config, rng, mask_prob=0.15, mask_frac=0.8, random_fr
     num_masked = (eligible.sum(1) * mask_prob).round().long()  # (B,)
     num_slots = math.ceil(mask_prob * T)
     # choose positions: top-k of uniform scores, ineligible ones pushed below every eligible one
-    # (HF's collator, used by TACO, draws Bernoulli(p) per token instead: same mean, varying count)
+    # (HF's collator, used by TACO, draws Bernoulli(p) per token instead: same mean, varying count; note 6)
     scores = torch.rand(B, T, generator=rng, device=device).masked_fill(~eligible, -1.0)
     positions = scores.topk(num_slots, dim=1).indices  # (B, K), distinct within a row
     used = torch.arange(num_slots, device=device) < num_masked[:, None]  # (B, K)
@@ -415,8 +415,8 @@ class Generator(nn.Module):
 
 def crop_views(input_ids, config, rng, fraction=0.9, attention_mask=None):
     """COCO-LM's second view: a uniformly placed contiguous crop of `fraction` of the tokens between each row's
-    [CLS] and final [SEP] (rows are [CLS] ... [SEP] then right padding), re-wrapped as [CLS] crop [SEP] and
-    padded (attention mask 0) to T. Returns (ids, mask). Unpadded batches crop every row to the same length, so
+    [CLS] and final [SEP] (rows are [CLS] ... [SEP] then right padding), re-wrapped as [CLS] crop [SEP] (note 27)
+    and padded (attention mask 0) to T. Returns (ids, mask). Unpadded batches crop every row to the same length, so
     they are cut to it, with no mask: the same [CLS] output, and SDPA keeps its flash kernel (fidelity note 17)."""
     B, T = input_ids.shape
     inner = non_pad(input_ids, attention_mask).sum(1) - 2  # (B,) tokens between [CLS] and [SEP]

@@ -296,7 +296,7 @@ def test_the_same_weights_score_the_same_for_every_seed(corpus, tmp_path):
 @pytest.mark.slow
 def test_init_from_a_hugging_face_bert_model_with_a_pooler(corpus, tmp_path):
     """--init_from a transformers BertModel directory (a pooler, no MLM head): every encoder weight is
-    loaded (strictly: only the pooler is dropped), the vocabulary comes from its vocab.txt."""
+    loaded, the vocabulary comes from its vocab.txt, the pooler reaches the export unchanged (and GLUE)."""
     transformers = pytest.importorskip("transformers")
     assert run(common(corpus, tmp_path, out="mlm", max_steps=5, ckpt_interval=5)).returncode == 0
     hf = transformers.BertModel.from_pretrained(str(tmp_path / "mlm"))  # our export, plus a fresh pooler
@@ -312,9 +312,17 @@ def test_init_from_a_hugging_face_bert_model_with_a_pooler(corpus, tmp_path):
     assert json.loads((tmp_path / "cont" / "tokenizer_config.json").read_text())["model_max_length"] == 64
     ours = train.Bert.from_pretrained(str(tmp_path / "cont")).state_dict()
     start = train.Bert.from_pretrained(str(tmp_path / "hf")).state_dict()
+    assert "pooler.weight" in ours
     for k, v in ours.items():
-        if not k.startswith(("head.", "pooler.")):  # BertModel has no MLM head: it starts fresh
+        if not k.startswith("head."):  # BertModel has no MLM head: it starts fresh
             assert torch.allclose(v, start[k], atol=1e-6), k
+    # trained on (a real learning rate), the pooler stays as it came, frozen, through a resume too
+    r = run(common(corpus, tmp_path, out="cont", max_steps=3, warmup_steps=0, resume=tmp_path / "cont"))
+    assert r.returncode == 0, r.stderr
+    resumed = train.Bert.from_pretrained(str(tmp_path / "cont"))
+    assert resumed.training_step == 3
+    assert torch.equal(resumed.pooler.weight, start["pooler.weight"])
+    assert not torch.equal(resumed.embeddings.word.weight, start["embeddings.word.weight"])
 
 
 # ---- bad input: one clear line, non-zero exit, nothing saved lost

@@ -132,9 +132,11 @@ def train(cfg, ckpt=None):
                        **{f"{k}_token_id": v for k, v in special.items()})  # a new model's shape
     model_config = rundir.model_config_for(cfg, ckpt, init_model, fresh, special)  # or a resume's / --init_from's
     model = Bert(model_config)
+    if "pooler.weight" in (init_model.state_dict() if init_model else ckpt["model"] if ckpt else {}):
+        # a start model's pooler rides along unchanged into the export: nothing here trains it (fidelity note 37)
+        model.pooler = torch.nn.Linear(model_config.hidden_size, model_config.hidden_size).requires_grad_(False)
     if init_model:
-        # every weight but a pooler (Hugging Face BertModel has one; pretraining has no use for it)
-        model.load_state_dict({k: v for k, v in init_model.state_dict().items() if not k.startswith("pooler.")})
+        model.load_state_dict(init_model.state_dict())
     model.to(device)
     objective = LOSSES[cfg.objective](model, cfg).to(device)
     params = list(model.parameters()) + [p for p in objective.parameters() if p.requires_grad]
