@@ -106,6 +106,17 @@ def ref_tp(model, h, input_ids, positions, labels):
     return sum(terms) / len(terms)
 
 
+def ref_head(head, v):
+    """ELECTRA's disc_head (dense, GELU, dense to 1) or COCO-LM's scl_head (dense, GELU, LayerNorm) on one vector,
+    written out from its weights, so that a change to the head's layers cannot move its reference too."""
+    dense, last = head[0], head[2]
+    a = dense.weight @ v + dense.bias
+    a = 0.5 * a * (1 + torch.erf(a / math.sqrt(2)))  # BERT's exact GELU
+    if isinstance(last, nn.LayerNorm):
+        return (a - a.mean()) / torch.sqrt(a.var(unbiased=False) + 1e-12) * last.weight + last.bias
+    return last.weight @ a + last.bias
+
+
 def close(a, b):
     """float64 against a float64 reference: only summation order differs (~1e-15), a bug shows far above"""
     return torch.allclose(a, b, rtol=0, atol=1e-10)
@@ -305,6 +316,17 @@ def test_mlm_matches_reference(padded, predict_all):
         assert close(metrics["tp_loss"], tp)
         expected = expected + tp
     assert close(loss, expected)
+
+
+def test_token_prediction_ignores_padding_whatever_its_ids():
+    # padding is told by the attention mask, not by [PAD]'s id: the same rows padded with another id score the same
+    model = tiny_model()
+    objective = build("mlm", model, mlm_predict_all=True)
+    batch = make_batch(**PADDED)
+    other = {k: v.clone() for k, v in batch.items()}
+    other["input_ids"][other["attention_mask"] == 0] = 7
+    first, second = objective(model, batch, seeded(3))[1], objective(model, other, seeded(3))[1]
+    assert close(first["tp_loss"], second["tp_loss"]) and close(first["mlm_loss"], second["mlm_loss"])
 
 
 class EchoModel(nn.Module):
@@ -791,7 +813,7 @@ def test_cocolm_matches_reference(padded, negative_pool):
                                                                                labels)
     # SCL: the x^MLM view and the crop view, NT-Xent over the 2P views of each pool (P = B: all 2B)
     h_crop = model(crop_ids, attention_mask=crop_mask)
-    s = [objective.scl_head(v) for v in list(h[:, 0]) + list(h_crop[:, 0])]
+    s = [ref_head(objective.scl_head, v) for v in list(h[:, 0]) + list(h_crop[:, 0])]
     pool_of = lambda view: (view % B) // (negative_pool or B)  # view i is of sequence i mod B
     scl_terms = []
     for i in range(2 * B):
@@ -961,7 +983,7 @@ def test_electra_matches_reference(padded, gen_shape):
     for b in range(x.size(0)):
         for t in range(x.size(1)):
             if valid[b, t]:
-                p = 1 / (1 + torch.exp(-objective.disc_head(h[b, t])[0]))
+                p = 1 / (1 + torch.exp(-ref_head(objective.disc_head, h[b, t])[0]))
                 replaced = float(x_mlm[b, t] != x[b, t])
                 terms.append(-(replaced * torch.log(p) + (1 - replaced) * torch.log(1 - p)))
                 rows.append((replaced, p.item()))

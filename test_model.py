@@ -99,6 +99,10 @@ def test_return_embeddings_and_all_layers():
     h, emb = m(x, return_embeddings=True)
     layers = m(x, all_layers=True)
     assert len(layers) == 3 and torch.equal(layers[0], emb) and torch.equal(layers[-1], h)
+    # the embeddings come with their graph: TACO's g = h - e trains the embeddings through the -e term too
+    assert torch.equal(emb, m.embeddings(x))
+    (-emb).sum().backward()
+    assert m.embeddings.word.weight.grad.abs().sum() > 0
 
 
 def test_every_dropout_runs_in_training(monkeypatch):
