@@ -826,6 +826,10 @@ def plot_logs(paths, out):
     directory). out: a .png path or a directory (written as training_curves.png)."""
     plt = _pyplot()
     path = out if out and out.endswith(".png") else os.path.join(out or ".", "training_curves.png")
+    table_path = os.path.splitext(path)[0] + ".md"  # the last held-out values, beside the picture
+    if os.path.isfile(table_path) and not open(table_path, errors="replace").readline().startswith("| run | step |"):
+        raise ValueError(f"{table_path} exists and is not a table that --plot_log wrote: it would be overwritten; "
+                         f"choose another --out")
     logs = {label: read_log(p) for label, p in zip(_labels([os.path.dirname(os.path.abspath(p)) for p in paths]), paths)}
     keys = []
     for log in logs.values():
@@ -861,7 +865,7 @@ def plot_logs(paths, out):
     print(f"wrote {path}")
     table = last_held_out(logs)
     if table:  # the numbers an ablation compares, beside the picture
-        write_atomic(os.path.splitext(path)[0] + ".md", table + "\n")
+        write_atomic(table_path, table + "\n")
         print(table)
     return path
 

@@ -214,6 +214,18 @@ def data_path(data):
     return data
 
 
+def data_root(data):
+    """The directory a local --data reads everything under (a directory, or a ** glob's fixed part), else None."""
+    local = os.path.expanduser(data)
+    if os.path.isdir(local):
+        return local
+    if not os.path.exists(local) and "**" in local:
+        parts = local.split(os.sep)
+        fixed = parts[:next(i for i, p in enumerate(parts) if any(c in p for c in "*?["))]
+        return os.sep.join(fixed) or "."
+    return None
+
+
 DTYPES = ("auto", "fp32", "bf16", "fp16")
 # lower bounds, with the reason a smaller value cannot work
 MINIMUM = dict(seq_len=(3, "room for [CLS] and [SEP]"), batch_size=(1, ""), tokens_per_step=(1, ""),
@@ -314,6 +326,15 @@ def validate(cfg):
          "leave every row, and their positives would all be the fallback's random tokens of the row")
     need(cfg.seed < 2 ** 64, "seed", "must be < 2**64 (torch seeds are unsigned 64-bit integers)")
     need(cfg.data.strip(), "data", "must name a file, a directory, a glob or a hub dataset")
+    need(cfg.vocab_size <= 1_000_000, "vocab_size", "must be <= 1,000,000 (BERT's is 30,522; multilingual ones 120k-250k)")
+    # masking picks round(mask_prob x eligible) tokens a row (losses.mask_tokens): none would train nothing
+    need(round(cfg.mask_prob * (cfg.seq_len - 2)) >= 1, "mask_prob", f"x (seq_len {cfg.seq_len} - 2) tokens rounds to "
+         "0 masked tokens a row: nothing to predict (raise --mask_prob or --seq_len)")
+    root = data_root(cfg.data)
+    for name in ("out_dir", "cache_dir") if root else ():
+        rel = os.path.relpath(os.path.realpath(getattr(cfg, name)), os.path.realpath(root))  # ".." first: outside
+        need(rel.split(os.sep)[0] == "..", name, f"is inside --data {cfg.data}: its files would be read as "
+             "corpus; choose a directory outside it")
     need(cfg.warmup_steps <= cfg.max_steps, "warmup_steps", f"must be <= --max_steps {cfg.max_steps}")
     problem = pool_problem(cfg, cfg.negative_pool or cfg.batch_size)  # the flags' pool, before any process count
     if problem:
@@ -344,9 +365,15 @@ def validate(cfg):
     if not cfg.resume and os.path.isfile(os.path.join(cfg.out_dir, "ckpt.pt")):
         raise ValueError(f"--out_dir {cfg.out_dir} already holds a run: pass --resume {cfg.out_dir} to continue "
                          f"it, or choose another --out_dir")
-    if not cfg.resume and os.path.isfile(os.path.join(cfg.out_dir, "config.json")):
-        raise ValueError(f"--out_dir {cfg.out_dir} holds a model (config.json) but no ckpt.pt to resume: a new run "
+    held = [f for f in ("config.json", "model.safetensors", "pytorch_model.bin")
+            if os.path.isfile(os.path.join(cfg.out_dir, f))]
+    if not cfg.resume and held:
+        raise ValueError(f"--out_dir {cfg.out_dir} holds a model ({held[0]}) but no ckpt.pt to resume: a new run "
                          f"would overwrite it; choose another --out_dir, or delete that one to train again")
+    tokenizer_dir = cfg.tokenizer if os.path.isdir(cfg.tokenizer) else os.path.dirname(cfg.tokenizer) or "."
+    if not cfg.resume and os.path.exists(cfg.tokenizer) and os.path.realpath(tokenizer_dir) == os.path.realpath(cfg.out_dir):
+        raise ValueError(f"--tokenizer {cfg.tokenizer} is in --out_dir: the run writes its own tokenizer files there "
+                         f"and would overwrite these; choose another --out_dir")
 
 
 class Parser(argparse.ArgumentParser):

@@ -906,6 +906,10 @@ def main(argv=None):
         p.error(f"{words[0]}: the first word is the command, one of prepare, run, merge, budget")
     args = p.parse_args(argv)
     args.argv = argv
+    if args.command == "run" and not 0 < args.budget < float("inf"):  # NaN too: nothing would be scheduled
+        p.error(f"--budget {args.budget}: must be a number of seconds > 0")
+    if args.command == "run" and args.glue_dir and not os.path.isdir(args.glue_dir):
+        p.error(f"--glue_dir {args.glue_dir}: not a directory")
     if args.command == "prepare":
         prepare(args)
     elif args.command == "run":

@@ -59,7 +59,9 @@ from model import Bert
 
 def parse_tasks(spec):
     names = [s.strip().lower().replace("-", "") for s in spec.split(",") if s.strip()]  # "SST-2" -> "sst2"
-    names = list(TASKS) if names in ([], ["all"]) else names
+    if not names:  # an empty --tasks (a script's unset variable?) is not "all"
+        raise ValueError(f"--tasks {spec!r}: name at least one task (choose from all, {', '.join(TASKS)})")
+    names = list(TASKS) if names == ["all"] else names
     unknown = [n for n in names if n not in TASKS]
     if unknown:
         raise ValueError(f"--tasks {spec}: unknown task {unknown[0]!r} (choose from all, {', '.join(TASKS)})")
@@ -71,8 +73,8 @@ def parse_seeds(spec):
         seeds = [int(s) for s in spec.split(",") if s.strip()]
     except ValueError:
         seeds = []
-    if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
-        raise ValueError(f"--seeds {spec!r}: expected distinct comma-separated integers >= 0, e.g. 1,2,3")
+    if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0 or max(seeds) >= 2 ** 31:
+        raise ValueError(f"--seeds {spec!r}: expected distinct comma-separated integers in [0, 2**31), e.g. 1,2,3")
     return seeds
 
 

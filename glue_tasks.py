@@ -87,6 +87,9 @@ def read_tsv(path, task, test=False):
     import datasets  # imported here, as in corpus.load_corpus: it costs ~2 s
     lines = read_text(path).split("\n")
     lines = [line.rstrip("\r") for line in (lines[:-1] if lines[-1] == "" else lines)]  # LF or CRLF, last one optional
+    if not any(line.strip() for line in lines):  # an empty file has no rows (load_task: the task is missing)
+        columns = ("text_a", "text_b")[:len(task.tsv_text)] + ("index" if test else "label",)
+        return datasets.Dataset.from_dict({c: [] for c in columns})
     if task.header and not test:  # CoLA's train/dev have no header line, its test file has one
         header, first = task.header, 0
     else:

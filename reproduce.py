@@ -856,8 +856,9 @@ def parse(argv):
     if unknown or not args.tasks:
         p.error(f"--tasks: unknown GLUE task {(unknown or [''])[0]!r} (choose from {', '.join(PRIMARY)})")
     seeds = [x.strip() for x in (args.seeds or scale["seeds"]).split(",")]
-    if not all(x.isascii() and x.isdigit() for x in seeds) or len({int(x) for x in seeds}) != len(seeds):
-        p.error(f"--seeds {args.seeds}: expected distinct comma-separated integers >= 0, e.g. 1,2")
+    if (not all(x.isascii() and x.isdigit() and int(x) < 2 ** 31 for x in seeds)
+            or len({int(x) for x in seeds}) != len(seeds)):  # eval.py's range, checked before any pretraining
+        p.error(f"--seeds {args.seeds}: expected distinct comma-separated integers in [0, 2**31), e.g. 1,2")
     args.seeds = ",".join(str(int(x)) for x in seeds)  # as eval.py writes them: "1, 02" is "1,2"
     if args.glue_dir and not os.path.isdir(args.glue_dir):
         p.error(f"--glue_dir {args.glue_dir}: not a directory")

@@ -93,9 +93,17 @@ def resume_config(cfg, given):
     path = os.path.join(cfg.resume, "ckpt.pt") if os.path.isdir(cfg.resume) else cfg.resume
     if not os.path.exists(cfg.resume):
         raise ValueError(f"--resume {cfg.resume}: no such run directory or checkpoint file")
+    run_dir = os.path.dirname(path) or "."
+    if not os.path.isfile(path) and os.path.isfile(os.path.join(run_dir, "config.json")):
+        raise ValueError(f"--resume {cfg.resume}: a model (config.json) but no ckpt.pt to resume; to train on from "
+                         f"its weights, start a new run with --init_from {run_dir}")
     if not os.path.isfile(path):
         raise ValueError(f"--resume {cfg.resume}: no checkpoint there (a run stopped before its first save: "
                          f"run its original command again)")
+    own = os.path.join(run_dir, "ckpt.pt")
+    if os.path.isfile(own) and not os.path.samefile(own, path):  # the run would save over its directory's newer one
+        raise ValueError(f"--resume {path}: the run would go on in {run_dir} and save over its ckpt.pt, another "
+                         f"checkpoint; copy the directory, put {os.path.basename(path)} there as ckpt.pt, resume the copy")
     ckpt = load_checkpoint_file(path)
     missing = {"model", "model_config", "objective", "optimizer", "scaler", "step", "loader", "config"} - set(ckpt)
     model_config = ckpt["model_config"] if isinstance(ckpt["model_config"], dict) else {"(not a dict)": None}
@@ -109,14 +117,13 @@ def resume_config(cfg, given):
     elapsed, loader = ckpt["elapsed_s"] if "elapsed_s" in ckpt else 0.0, ckpt["loader"]
     if type(elapsed) not in (int, float) or not elapsed >= 0:
         raise ValueError(f"--resume {path}: its elapsed_s is {elapsed!r}, not seconds >= 0 (an edited or corrupt checkpoint)")
-    if not isinstance(loader, dict) or type(loader.get("sequences")) is not int or loader["sequences"] < 0:
+    if not isinstance(loader, dict) or type(loader.get("sequences")) is not int or not 0 <= loader["sequences"] < 2 ** 62:
         raise ValueError(f"--resume {path}: its loader state is {loader!r}, not {{'sequences': a count >= 0}} (an "
                          f"edited or corrupt checkpoint)")
     saved = ckpt["config"]  # not a dict: saved_config says so
     absent = [k for k in (*FIXED_ON_RESUME, "max_steps") if k not in saved] if isinstance(saved, dict) else []
     if absent:
         raise ValueError(f"--resume {path}: its config lacks {', '.join(absent)} (an edited or corrupt checkpoint)")
-    run_dir = os.path.dirname(path) or "."
     saved = saved_config(ckpt, path)
     for name in (n for n in FIXED_ON_RESUME if n in given):
         if given[name] != (data_path(saved.data) if name == "data" else getattr(saved, name)):

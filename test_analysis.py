@@ -482,6 +482,12 @@ def test_plot_logs(tmp_path):
     rows = (tmp_path / "plots" / "training_curves.md").read_text().splitlines()
     assert rows[0] == "| run | step | val_mlm_loss | val_mlm_acc | contextual_score | wordsim_cooc_sim |"
     assert rows[2:] == ["| mlm | 100 | 2.3333 | 0.5000 | 0.2000 | 0.2000 |", "| taco | 100 | 2.3333 | 0.5000 | 0.2000 | 0.2000 |"]
+    assert A.plot_logs([a], str(tmp_path / "plots")) == path  # its own table is rewritten ...
+    (tmp_path / "plots" / "notes.md").write_text("# my notes\n")  # ... a markdown file of the user's is not
+    with pytest.raises(ValueError, match="notes.md exists and is not a table that --plot_log wrote"):
+        A.plot_logs([a], str(tmp_path / "plots" / "notes.png"))
+    assert (tmp_path / "plots" / "notes.md").read_text() == "# my notes\n"
+    assert not (tmp_path / "plots" / "notes.png").exists()
     with open(b, "a") as f:  # records no run of ours writes: a step that is not an integer is skipped
         f.write('\n{"step": [1], "loss": 2}\n{"step": "x", "loss": 3}\n{"step": true, "loss": 4}\n')
     assert A.read_log(b)["loss"][0] == list(range(10, 110, 10))

@@ -121,6 +121,10 @@ def test_blank_text_trains_no_tokenizer(tmp_path, capsys):
     with pytest.raises(ValueError, match="no text in .*blank.txt"):
         data.prepare_data(str(tmp_path / "blank.txt"), tmp_path / "cache")
     assert capsys.readouterr().out == "" and not list((tmp_path / "cache").glob("tokenizer-*"))
+    # a file that cannot be read says why, while a tokenizer is trained too (not "no text")
+    (tmp_path / "binary.txt").write_bytes(b"\xff\xfe some words " * 100)
+    with pytest.raises(ValueError, match="binary.txt.*not UTF-8"):
+        data.prepare_data(str(tmp_path / "binary.txt"), tmp_path / "cache")
 
 
 def test_unreachable_hub_dataset_is_one_clear_error(tok_dir, tmp_path, monkeypatch):

@@ -303,3 +303,13 @@ def test_a_flag_before_the_command_is_named(capsys):
         device_run.main(["--bogus"])
     err = capsys.readouterr().err
     assert stop.value.code == 2 and err.startswith("error: --bogus: the first word is the command") and err.count("\n") == 1
+
+
+def test_run_flags_that_would_schedule_nothing_are_refused(tmp_path, capsys):
+    for argv, needle in ((["--budget", "-5"], "--budget -5.0"), (["--budget", "nan"], "--budget nan"),
+                         (["--glue_dir", str(tmp_path / "nowhere")], "not a directory")):
+        with pytest.raises(SystemExit) as stop:
+            device_run.main(["run", "mlm-taco", "--toy", "--out", str(tmp_path / "out"), *argv])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and err.startswith("error: ") and needle in err and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()

@@ -500,8 +500,8 @@ BAD_FLAGS = [  # (flags, what the error line must name)
     (["--warmup", "-1"], "--warmup -1.0"), (["--weight_decay", "-0.1"], "--weight_decay -0.1"),
     (["--dropout", "1"], "--dropout 1.0"), (["--dropout", "-0.5"], "--dropout -0.5"),
     (["--device", "tpu"], "--device tpu"), (["--device", "cuda:99"], "--device cuda:99"),
-    (["--tasks", "rte,squad"], "unknown task 'squad'"), (["--seeds", ","], "--seeds"), (["--seeds", "1,x"], "--seeds"),
-    (["--seeds", "1,1"], "--seeds"), (["--seeds=-1"], "--seeds"), (["--grid_seed", "-2"], "--grid_seed -2"), (["--predict_seed", "3"], "--predict_seed 3"),
+    (["--tasks", "rte,squad"], "unknown task 'squad'"), (["--tasks", " ,"], "name at least one task"), (["--seeds", ","], "--seeds"), (["--seeds", "1,x"], "--seeds"),
+    (["--seeds", "1,1"], "--seeds"), (["--seeds=-1"], "--seeds"), (["--seeds", str(2 ** 64)], "[0, 2**31)"), (["--grid_seed", "-2"], "--grid_seed -2"), (["--predict_seed", "3"], "--predict_seed 3"),
     (["--max_train_samples", "0"], "--max_train_samples 0"), (["--max_eval_samples", "-3"], "--max_eval_samples -3"),
     (["--num_combos", "0"], "--num_combos 0"), (["--glue_dir", "{tmp}/nowhere"], "--glue_dir"),
     (["--out", "{tmp}/a_file"], "--out"), (["--out", "{tmp}/a_file/sub"], "--out {tmp}/a_file/sub: cannot be created"),
@@ -618,6 +618,17 @@ def test_a_test_set_without_rows_is_missing(tmp_path, tiny_model_dir, capsys):
                          "--tasks", "cola", "--predict", "--epochs", "1", "--out", str(tmp_path / "out")]))
     assert report["predictions"]["CoLA"] == f"missing: CoLA/test.tsv in {glue} has no rows"
     assert not (tmp_path / "out" / "CoLA.tsv").exists()
+
+
+def test_an_empty_tsv_is_a_missing_task_not_an_error(tmp_path):
+    glue = write_glue(tmp_path / "glue")
+    for task, split in (("MRPC", "train"), ("STS-B", "dev"), ("CoLA", "train")):  # headed and headerless files
+        (glue / task / f"{split}.tsv").write_text("")  # a 0-byte file (an interrupted download)
+        with pytest.raises(glue_tasks.TaskMissing, match=f"the {split} split has no rows"):
+            glue_tasks.load_task(glue_tasks.TASKS[task.lower().replace("-", "")], str(glue))
+    (glue / "MRPC" / "train.tsv").write_text("\n \n")  # blank lines alone: as empty
+    with pytest.raises(glue_tasks.TaskMissing):
+        glue_tasks.load_task(glue_tasks.TASKS["mrpc"], str(glue))
 
 
 def test_error_nothing_to_score(tmp_path, tiny_model_dir, capsys):

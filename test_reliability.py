@@ -83,6 +83,7 @@ BAD_VALUES = [
     ("taco_anchors", "some"), ("gen_shape", "bart"), ("model_size", "huge"), ("objective", "bogus"),
     ("taco_weight", "-1"), ("out_dir", ""), ("out_dir", "FILE"), ("out_dir", "FILE/run"), ("cache_dir", "FILE"),
     ("seed", "-1"), ("seed", str(2 ** 64)), ("data", ""), ("data", " "), ("init_from", "FILE/missing"),
+    ("vocab_size", str(10 ** 20)), ("mask_prob", "0.01"),  # 0.01 x 30 tokens rounds to no masked token a row
 ]
 if not torch.cuda.is_available():
     BAD_VALUES.append(("device", "cuda"))
@@ -147,6 +148,16 @@ def test_a_run_stopped_before_its_first_checkpoint_starts_again_and_says_so(corp
     code, out, err = run_main(flags(corpus, cache, tmp_path / "run", max_steps=2), capsys)
     assert code == 2 and (tmp_path / "run" / "model.safetensors").read_bytes() == export
     one_error(err, "holds a model (config.json) but no ckpt.pt")
+    os.remove(tmp_path / "run" / "config.json")  # the weights alone are a model too
+    code, out, err = run_main(flags(corpus, cache, tmp_path / "run", max_steps=2), capsys)
+    assert code == 2 and (tmp_path / "run" / "model.safetensors").read_bytes() == export
+    one_error(err, "holds a model (model.safetensors) but no ckpt.pt")
+    # a tokenizer of the user's own in --out_dir: the run's tokenizer files would overwrite it
+    os.remove(tmp_path / "run" / "model.safetensors")
+    config_before = (tmp_path / "run" / "tokenizer_config.json").read_bytes()
+    code, out, err = run_main(flags(corpus, cache, tmp_path / "run", max_steps=2, tokenizer=tmp_path / "run"), capsys)
+    assert code == 2 and (tmp_path / "run" / "tokenizer_config.json").read_bytes() == config_before
+    one_error(err, "--tokenizer", "is in --out_dir")
 
 
 def test_a_fixed_cuda_device_under_torchrun_is_refused(corpus, cache, tmp_path, capsys, monkeypatch):
@@ -481,6 +492,39 @@ def test_resume_of_a_missing_path_and_of_a_run_with_no_checkpoint_say_which(tmp_
     code, _, err = run_main(["--resume", tmp_path / "early"], capsys)
     assert code == 2
     one_error(err, "no checkpoint there", "run its original command again")
+    (tmp_path / "early" / "config.json").write_text("{}")  # an export kept without its ckpt.pt: start from it
+    code, _, err = run_main(["--resume", tmp_path / "early"], capsys)
+    assert code == 2
+    one_error(err, "no ckpt.pt to resume", f"--init_from {tmp_path / 'early'}")
+
+
+def test_resume_from_an_older_checkpoint_file_does_not_save_over_the_runs_own(corpus, cache, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert run_main(flags(corpus, cache, run_dir, max_steps=5, ckpt_interval=5), capsys)[0] == 0
+    shutil.copy(run_dir / "ckpt.pt", run_dir / "step5.pt")
+    assert run_main(["--resume", run_dir, "--max_steps", 10], capsys)[0] == 0
+    newer = (run_dir / "ckpt.pt").read_bytes()
+    code, _, err = run_main(["--resume", run_dir / "step5.pt", "--max_steps", 8], capsys)
+    assert code == 2 and (run_dir / "ckpt.pt").read_bytes() == newer
+    one_error(err, "save over its ckpt.pt", "copy the directory")
+    shutil.copytree(run_dir, tmp_path / "old")  # as it says: a copy with step5.pt as its ckpt.pt resumes from step 5
+    shutil.copy(run_dir / "step5.pt", tmp_path / "old" / "ckpt.pt")
+    code, out, err = run_main(["--resume", tmp_path / "old", "--max_steps", 8], capsys)
+    assert code == 0, err
+    assert torch.load(tmp_path / "old" / "ckpt.pt", weights_only=True)["step"] == 8
+
+
+def test_run_files_inside_the_data_directory_are_refused(corpus, cache, tmp_path, capsys):
+    # a directory (or a ** glob) is read whole: a run's log.jsonl or the cache's vocab.txt there would become corpus
+    (tmp_path / "texts").mkdir()
+    shutil.copy(corpus, tmp_path / "texts" / "toy.txt")
+    for data in (tmp_path / "texts", f"{tmp_path}/texts/**/*.txt"):
+        for name in ("out_dir", "cache_dir"):
+            argv = flags(data, cache, tmp_path / "run") + [f"--{name}", tmp_path / "texts" / "sub"]
+            code, _, err = run_main(argv, capsys)
+            assert code == 2
+            one_error(err, f"--{name}", "inside --data", "read as corpus")
+    assert not (tmp_path / "texts" / "sub").exists() and not (tmp_path / "run").exists()
 
 
 def test_resume_into_another_out_dir_and_a_busy_out_dir_are_refused(corpus, cache, tmp_path, capsys):

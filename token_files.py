@@ -231,7 +231,9 @@ class CorpusCache:
                 texts = lambda: ([p for p in pieces if p is not None] for pieces in corpus.pieces(self.parts()))
                 try:
                     trained = train(texts, vocab_size, save_dir=tmp)
-                except ValueError:  # only whitespace: nothing to tokenize either
+                except ValueError as e:  # a reading error names its file; "no text" (only whitespace) the corpus
+                    if str(e) != "no text":
+                        raise
                     raise ValueError(f"no text in {self.data}") from None
                 print(f"trained a {trained.get_vocab_size()}-token tokenizer in {time.time() - t0:.1f}s")
                 os.replace(tmp, path)  # the directory appears whole
