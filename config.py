@@ -34,7 +34,7 @@ class TrainConfig:
     data: str = DEFAULT_DATA  # a local file / dir / glob, or a datasets hub name ("name:config"); smoke: the sample in assets/
     tokenizer: str = ""  # tokenizer.json, vocab.txt, a dir with them or a hub name (bert-base-uncased); empty = the init_from dir's, else train one
     vocab_size: int = 30522  # size of a newly trained WordPiece vocabulary (BERT's 30,522; smoke: 8,192)
-    val_fraction: float = 0.005  # share of the corpus held out for the validation MLM loss
+    val_fraction: float = 0.005  # share of the corpus held out for the validation MLM loss (at least 16,384 tokens, up to 10% of a small corpus)
     cache_dir: str = "cache"  # tokenizers and token files, reused across runs
     seq_len: int = 128  # tokens per packed block, [CLS] and [SEP] included
     # optimisation (these defaults are the smoke run's; --preset small/base set TACO Table 5's)
