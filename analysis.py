@@ -318,7 +318,8 @@ def held_out_documents(text_path, model_path):
     (data.SAMPLE_CORPUS, WikiText-2 test; a Hugging Face directory has no validation split)."""
     if text_path:
         if not os.path.isfile(text_path):
-            raise ValueError(f"--text {text_path}: no such file")
+            raise ValueError(f"--text {text_path}: " + ("a directory; pass one text file" if os.path.isdir(text_path)
+                                                         else "no such file"))
         return read_lines(text_path), text_path
     run_dir = model_path if os.path.isdir(model_path) else os.path.dirname(model_path)
     try:  # train.py's first log line holds data.prepare_data's arguments under their names

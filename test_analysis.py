@@ -522,6 +522,8 @@ def test_held_out_text_falls_back_to_the_run_validation_split(tok, tmp_path, mon
     assert source.endswith("validation split") and len(A.load_sentences(documents, 1000)) > 5
     with pytest.raises(ValueError, match="--text"):
         A.held_out_documents(None, str(tmp_path))  # no log.jsonl, no sample corpus: a clear error
+    with pytest.raises(ValueError, match="a directory; pass one text file"):
+        A.held_out_documents(str(tmp_path), run)
 
 
 def test_held_out_text_falls_back_to_the_sample_corpus(tmp_path, monkeypatch):
