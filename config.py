@@ -326,6 +326,8 @@ def validate(cfg):
          "leave every row, and their positives would all be the fallback's random tokens of the row")
     need(cfg.seed < 2 ** 64, "seed", "must be < 2**64 (torch seeds are unsigned 64-bit integers)")
     need(cfg.data.strip(), "data", "must name a file, a directory, a glob or a hub dataset")
+    need(cfg.tokens_per_step <= 2 ** 30, "tokens_per_step", "must be <= 2**30 (TACO's base step is 327,680 tokens; "
+         "a larger one is a step of hours of accumulation that a signal would wait for)")
     need(cfg.vocab_size <= 1_000_000, "vocab_size", "must be <= 1,000,000 (BERT's is 30,522; multilingual ones 120k-250k)")
     # masking picks round(mask_prob x eligible) tokens a row (losses.mask_tokens): none would train nothing
     need(round(cfg.mask_prob * (cfg.seq_len - 2)) >= 1, "mask_prob", f"x (seq_len {cfg.seq_len} - 2) tokens rounds to "
