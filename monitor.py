@@ -58,7 +58,7 @@ class DivergenceWatch:
 
 
 SCALE_FLAGS = ("taco_temperature", "tacl_temperature", "cocolm_scl_temperature", "taco_weight", "cocolm_copy_weight",
-               "electra_disc_weight", "adam_eps", "grad_clip")  # flags that scale the loss or the update
+               "electra_disc_weight", "adam_eps", "grad_clip", "weight_decay")  # flags that scale the loss or the update
 
 
 def scale_flags_hint(cfg):

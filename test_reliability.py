@@ -222,6 +222,8 @@ def test_a_divergence_names_the_loss_scaling_flags_that_moved(corpus, cache, tmp
     import monitor  # a flag of another objective is not named: it did nothing to this run
     cfg = config.TrainConfig(objective="mlm", taco_temperature=1e-30, adam_eps=1e-300)
     assert monitor.scale_flags_hint(cfg) == "; or undo --adam_eps 1e-300 (off the preset's value)"
+    cfg = config.TrainConfig(weight_decay=1e30)  # decoupled decay multiplies the weights by 1 - lr x wd each step
+    assert monitor.scale_flags_hint(cfg) == "; or undo --weight_decay 1e+30 (off the preset's value)"
 
 
 class InfGrad(torch.autograd.Function):
