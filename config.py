@@ -15,6 +15,7 @@ import re
 import sys
 import tempfile
 from dataclasses import dataclass, fields, replace
+from pathlib import PurePath
 
 import torch
 
@@ -214,16 +215,25 @@ def data_path(data):
     return data
 
 
-def data_root(data):
-    """The directory a local --data reads everything under (a directory, or a ** glob's fixed part), else None."""
-    local = os.path.expanduser(data)
+WRITTEN = ("vocab.txt", "log.jsonl", "tokenizer.json", "config.json")  # a run's or the token cache's files
+
+
+def reads_into(data, directory):
+    """Whether a local --data (a directory or a glob) would read the files that a run or the token cache
+    writes in `directory` (WRITTEN, there or one folder down): they would become corpus, and the corpus change."""
+    local, target = os.path.expanduser(data), os.path.abspath(directory)
+    magic = lambda p: any(c in re.sub(r"\[[\[*?]\]", "", p) for c in "*?[")  # glob.escape's [[], [*], [?] are not
     if os.path.isdir(local):
-        return local
-    if not os.path.exists(local) and "**" in local:
+        root = local
+    elif os.path.exists(local) or not magic(local):
+        return False  # one file, or a hub dataset
+    elif "**" in local:  # a recursive glob reads below its fixed part
         parts = local.split(os.sep)
-        fixed = parts[:next(i for i, p in enumerate(parts) if any(c in p for c in "*?["))]
-        return os.sep.join(fixed) or "."
-    return None
+        root = re.sub(r"\[([\[*?])\]", r"\1", os.sep.join(parts[:next(i for i, p in enumerate(parts) if magic(p))]))
+    else:
+        probes = [os.path.join(target, *sub, name) for sub in ((), ("tokenizer-x",)) for name in WRITTEN]
+        return any(PurePath(p).match(os.path.abspath(local)) for p in probes)
+    return os.path.relpath(os.path.realpath(target), os.path.realpath(root or ".")).split(os.sep)[0] != ".."
 
 
 DTYPES = ("auto", "fp32", "bf16", "fp16")
@@ -332,11 +342,9 @@ def validate(cfg):
     # masking picks round(mask_prob x eligible) tokens a row (losses.mask_tokens): none would train nothing
     need(round(cfg.mask_prob * (cfg.seq_len - 2)) >= 1, "mask_prob", f"x (seq_len {cfg.seq_len} - 2) tokens rounds to "
          "0 masked tokens a row: nothing to predict (raise --mask_prob or --seq_len)")
-    root = data_root(cfg.data)
-    for name in ("out_dir", "cache_dir") if root else ():
-        rel = os.path.relpath(os.path.realpath(getattr(cfg, name)), os.path.realpath(root))  # ".." first: outside
-        need(rel.split(os.sep)[0] == "..", name, f"is inside --data {cfg.data}: its files would be read as "
-             "corpus; choose a directory outside it")
+    for name in ("out_dir", "cache_dir"):
+        need(not reads_into(cfg.data, getattr(cfg, name)), name, f"is inside --data {cfg.data}: its files would be "
+             "read as corpus; choose a directory outside it")
     need(cfg.warmup_steps <= cfg.max_steps, "warmup_steps", f"must be <= --max_steps {cfg.max_steps}")
     problem = pool_problem(cfg, cfg.negative_pool or cfg.batch_size)  # the flags' pool, before any process count
     if problem:

@@ -290,7 +290,7 @@ def load_checkpoint_file(path):
     a file that holds any other Python object is refused, never unpickled, so no code in it runs.
     Every failure is one clear ValueError."""
     ckpt = _load_tensors(path)
-    if not isinstance(ckpt, dict) or "model" not in ckpt or "model_config" not in ckpt:
+    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("model"), dict) or "model_config" not in ckpt:
         raise ValueError(f"{path}: not a checkpoint of this project (no model / model_config){_dir_hint(path)}")
     return ckpt
 

@@ -100,11 +100,11 @@ def resume_config(cfg, given):
     if not os.path.isfile(path):
         raise ValueError(f"--resume {cfg.resume}: no checkpoint there (a run stopped before its first save: "
                          f"run its original command again)")
+    ckpt = load_checkpoint_file(path)  # a model.safetensors or vocab.txt given for its directory is refused here
     own = os.path.join(run_dir, "ckpt.pt")
     if os.path.isfile(own) and not os.path.samefile(own, path):  # the run would save over its directory's newer one
         raise ValueError(f"--resume {path}: the run would go on in {run_dir} and save over its ckpt.pt, another "
                          f"checkpoint; copy the directory, put {os.path.basename(path)} there as ckpt.pt, resume the copy")
-    ckpt = load_checkpoint_file(path)
     missing = {"model", "model_config", "objective", "optimizer", "scaler", "step", "loader", "config"} - set(ckpt)
     model_config = ckpt["model_config"] if isinstance(ckpt["model_config"], dict) else {"(not a dict)": None}
     unknown = set(model_config) - {f.name for f in fields(BertConfig)}

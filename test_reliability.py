@@ -509,6 +509,15 @@ def test_resume_from_an_older_checkpoint_file_does_not_save_over_the_runs_own(co
     code, _, err = run_main(["--resume", run_dir / "step5.pt", "--max_steps", 8], capsys)
     assert code == 2 and (run_dir / "ckpt.pt").read_bytes() == newer
     one_error(err, "save over its ckpt.pt", "copy the directory")
+    code, _, err = run_main(["--resume", run_dir / "model.safetensors", "--max_steps", 8], capsys)  # meant: the dir
+    assert code == 2
+    one_error(err, "one file of a model directory: pass the directory")
+    bad = torch.load(run_dir / "step5.pt", weights_only=True)
+    for model_state in (torch.zeros(3), 5):  # an edited checkpoint whose model is not a state dict
+        torch.save({**bad, "model": model_state}, tmp_path / "bad.pt")
+        code, _, err = run_main(["--resume", tmp_path / "bad.pt", "--max_steps", 8], capsys)
+        assert code == 2
+        one_error(err, "not a checkpoint of this project")
     shutil.copytree(run_dir, tmp_path / "old")  # as it says: a copy with step5.pt as its ckpt.pt resumes from step 5
     shutil.copy(run_dir / "step5.pt", tmp_path / "old" / "ckpt.pt")
     code, out, err = run_main(["--resume", tmp_path / "old", "--max_steps", 8], capsys)
@@ -516,7 +525,7 @@ def test_resume_from_an_older_checkpoint_file_does_not_save_over_the_runs_own(co
     assert torch.load(tmp_path / "old" / "ckpt.pt", weights_only=True)["step"] == 8
 
 
-def test_run_files_inside_the_data_directory_are_refused(corpus, cache, tmp_path, capsys):
+def test_run_files_inside_the_data_directory_are_refused(corpus, cache, tmp_path, capsys, monkeypatch):
     # a directory (or a ** glob) is read whole: a run's log.jsonl or the cache's vocab.txt there would become corpus
     (tmp_path / "texts").mkdir()
     shutil.copy(corpus, tmp_path / "texts" / "toy.txt")
@@ -527,6 +536,19 @@ def test_run_files_inside_the_data_directory_are_refused(corpus, cache, tmp_path
             assert code == 2
             one_error(err, f"--{name}", "inside --data", "read as corpus")
     assert not (tmp_path / "texts" / "sub").exists() and not (tmp_path / "run").exists()
+    # a flat glob reads only its own level: a run in the folder itself is refused, one a folder down is not
+    flat = f"{tmp_path}/texts/*.txt"
+    code, _, err = run_main(flags(flat, cache, tmp_path / "texts", max_steps=2), capsys)
+    assert code == 2
+    one_error(err, "--out_dir", "inside --data")
+    code, _, err = run_main(flags(flat, cache, tmp_path / "texts" / "run", max_steps=2), capsys)
+    assert code == 0, err
+    # a working directory whose name has brackets: its escaped form in --data is not a pattern
+    (tmp_path / "proj[1]" / "texts").mkdir(parents=True)
+    shutil.copy(corpus, tmp_path / "proj[1]" / "texts" / "toy.txt")
+    monkeypatch.chdir(tmp_path / "proj[1]")
+    code, _, err = run_main(flags("texts/**/*.txt", cache, tmp_path / "elsewhere", max_steps=2), capsys)
+    assert code == 0, err
 
 
 def test_resume_into_another_out_dir_and_a_busy_out_dir_are_refused(corpus, cache, tmp_path, capsys):
