@@ -7,7 +7,8 @@ What it reads: a `datasets` hub name ("wikitext:wikitext-103-raw-v1" = load_data
 "wikitext-103-raw-v1")) or a local file / directory / glob of .txt .raw .jsonl .parquet, optionally
 .xz/.gz compressed (datasets 5 decompresses them on the fly). A document starts at each file, each
 jsonl/parquet row, each WikiExtractor `<doc ...>` line (the <doc>/</doc> lines themselves are dropped)
-and each WikiText top-level heading ` = Title = `. Blank lines are dropped.
+and each WikiText top-level heading ` = Title = ` (after a blank row, in a file that has them). Blank lines
+are dropped.
 
 What it guarantees:
 - a bad path (missing, an empty file, a glob or directory matching nothing) is one ValueError naming it,
@@ -35,7 +36,7 @@ from pathlib import Path
 SAMPLE_CORPUS = str(Path(__file__).resolve().parent / "assets" / "wikitext2_test.raw.xz")
 BUILDERS = {".txt": "text", ".raw": "text", ".jsonl": "json", ".parquet": "parquet"}  # no .json: dirs hold configs
 COMPRESSIONS = (".xz", ".gz", ".bz2", ".zst")
-WIKITEXT_HEADING = re.compile(r"^ = [^=].* = $")  # top-level only: " == Section == " stays in the doc
+WIKITEXT_HEADING = re.compile(r"^ = [^=].* =\s*$")  # top-level only: " == Section == " stays in the doc
 BATCH_ROWS = 2000  # rows per encode_batch call: large enough to keep every core busy
 
 
@@ -126,7 +127,10 @@ def _load_local(datasets, builder, split_files, hf_cache):
     """load_dataset for local files; a file it cannot read is one ValueError naming that file."""
     escaped = {name: _plain_path(f, hf_cache) for name, f in split_files.items()}
     try:
-        return datasets.load_dataset(builder, data_files=escaped, cache_dir=hf_cache)
+        # read afresh: datasets keys its Arrow copy on path and mtime only, and this runs only when our cache
+        # missed, so a file replaced under the same mtime would otherwise come back as its old text
+        return datasets.load_dataset(builder, data_files=escaped, cache_dir=hf_cache, download_mode="force_redownload",
+                                     verification_mode="no_checks")  # its split sizes are the old copy's
     except Exception as e:
         chain = [e]
         while len(chain) < 8 and (chain[-1].__cause__ or chain[-1].__context__):  # datasets wraps what it hit
@@ -182,20 +186,25 @@ def load_corpus(data, files, cache_dir):
         parts.append(("lines" if builder == "text" else "docs", ds.select_columns(["text"]), str(f)))
     return parts
 
-def _line_pieces(rows):
+def _line_pieces(rows, state):
+    """state: one dict a file, carried across its batches (whether it has blank rows; whether the last was one)."""
     for line in rows:
         line = line.rstrip("\r\n")
         stripped = line.strip()
+        blank_before, state["blank"] = state.get("blank", True), not stripped
+        state["has_blanks"] = state.get("has_blanks", False) or not stripped
         if not stripped or stripped == "</doc>":
             continue
         if stripped.startswith("<doc") and stripped.endswith(">"):  # WikiExtractor article start
             yield None
             continue
-        if WIKITEXT_HEADING.match(line):
+        # where the file has blank rows (WikiText's original and the hub's), a heading follows one: a formula's
+        # continuation line " = 1 henry and capacitance C = " looks like a heading but does not
+        if WIKITEXT_HEADING.match(line) and (blank_before or not state["has_blanks"]):
             yield None
         yield line
 
-def _doc_pieces(rows):
+def _doc_pieces(rows, state):
     for text in rows:
         if text and text.strip():
             yield None
@@ -206,12 +215,12 @@ def pieces(parts, progress=None):
     progress: a tqdm bar, advanced by the rows read."""
     started = False
     for kind, ds, name in parts:
-        boundary = True  # every file starts a document
+        boundary, state = True, {}  # every file starts a document
         for batch in ds.iter(batch_size=BATCH_ROWS):
             if any(text and "\x00" in text for text in batch["text"]):  # valid UTF-8, but not text
                 raise ValueError(f"cannot read {name}: NUL bytes in the text (a binary file?)")
             out = []
-            for piece in (_line_pieces if kind == "lines" else _doc_pieces)(batch["text"]):
+            for piece in (_line_pieces if kind == "lines" else _doc_pieces)(batch["text"], state):
                 if piece is None:
                     boundary = True
                     continue

@@ -10,8 +10,8 @@ T-2, read in one seeded permutation per epoch.
 
 - Stream: the corpus's documents one after another, one [SEP] between two; a document's lines are
   concatenated, blank lines dropped. Validation = the tail of the stream: val_fraction of the tokens, but
-  at least VAL_MIN_TOKENS (32 blocks of 512) unless that exceeds 10% of the corpus, moved back to a
-  document start.
+  at least VAL_MIN_TOKENS or 10% of the corpus, whichever is fewer; its start moves back to a document
+  start when one lies within that many tokens (else, as in a one-document corpus, it cuts a document).
 - Tokenizer: uncased BERT WordPiece from the `tokenizers` package, specials in BERT order
   [PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3 [MASK]=4. A Hugging Face vocab.txt / tokenizer dir loads too
   (bert-base-uncased keeps its own ids 0/100/101/102/103: always go through special_token_ids).
@@ -38,7 +38,7 @@ SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 # distributed, so the hub default is English Wikipedia alone ("name:config" for load_dataset; fidelity note 2).
 HUB_CORPUS = "wikimedia/wikipedia:20231101.en"
 DEFAULT_DATA = SAMPLE_CORPUS  # WikiText-2's test split in assets/: smoke runs and tests need no network
-VAL_MIN_TOKENS = 16384
+VAL_MIN_TOKENS = 16384  # 32 rows at seq_len 514, 128 at the smoke preset's 128
 LIMIT_ALPHABET = 1000  # as HF's BertWordPieceTokenizer: rarer characters map to [UNK]
 
 # ----------------------------------------------------------------------------- batches

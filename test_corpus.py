@@ -4,6 +4,7 @@ import builtins
 import gzip
 import json
 import lzma
+import os
 import re
 import threading
 import time
@@ -56,6 +57,23 @@ def test_directory_glob_and_wikitext_headings(tok_dir, tmp_path):
     assert len(globbed) > len(stream)
 
 
+@pytest.mark.parametrize("batch_rows", [2000, 2])  # the rules hold across datasets' batches too
+def test_wikitext_heading_rules(monkeypatch, batch_rows):
+    import datasets
+    monkeypatch.setattr(corpus, "BATCH_ROWS", batch_rows)
+
+    def boundaries(rows):
+        ds = datasets.Dataset.from_dict({"text": rows})
+        return sum(p is None for batch in corpus.pieces([("lines", ds, "x.raw")]) for p in batch)
+    # WikiText's own layout (blank rows): a formula's continuation line " = ... = " after a text row is no title
+    assert boundaries([" = Alpha = ", "", " filter k is ", " = 1 henry and capacitance C = ", "", " = Beta = ",
+                       "", " more "]) == 1
+    # no blank rows anywhere (the re-exported copies, the bundled sample): every " = Title = " is one
+    assert boundaries([" = Alpha = ", " text ", " = Beta = ", " more ", " = Gamma = ", " end "]) == 2
+    # trailing whitespace stripped from the file: still titles
+    assert boundaries([" = Alpha =", " text ", " = Beta =", " more "]) == 1
+
+
 def test_brackets_in_a_path_are_not_a_pattern(tmp_path, monkeypatch):
     import config
     home = tmp_path / "runs [v2]"  # a working directory whose name glob would read as a character class
@@ -99,6 +117,14 @@ def test_cache_reused_and_invalidated(tok_dir, tmp_path, monkeypatch):
     path.write_text(_wikiextractor_text() + _wikiextractor_text())  # new size + mtime: new cache
     _, train3, _ = data.prepare_data(str(path), tmp_path / "cache", tokenizer=tok_dir, val_fraction=0)
     assert len(train3) > len(train) + len(val)
+    # replaced under the same mtime (cp -p, rsync -a), the same size or not: new tokens of the new text
+    stamp = path.stat().st_mtime_ns
+    for words in ("other words in a file", "fresh texts at a hill"):  # the same length
+        path.write_text((words + " ") * 200)
+        os.utime(path, ns=(stamp, stamp))
+        tok4, train4, _ = data.prepare_data(str(path), tmp_path / "cache", tokenizer=tok_dir, val_fraction=0)
+        expected = tok4.encode((words + " ") * 3, add_special_tokens=False).ids
+        assert train4[:len(expected)].tolist() == expected, words
 
 
 BAD_PATHS = {"missing.txt": None, "nothing*.txt": None, "empty.txt": "", "blank.txt": "\n\n  \n",

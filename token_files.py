@@ -27,8 +27,9 @@ What it guarantees:
   its real name, and what killed writers left is removed by the next run that takes the lock;
 - concurrent runs on one cache do not corrupt it: the second waits on an OS lock (released however its
   holder dies), then finds the files made; a read-only cache is read without a lock;
-- editing, touching or replacing a data file, or changing the tokenizer, gives a new key: a cache never
-  serves stale tokens.
+- editing, touching or replacing a data file, or changing the tokenizer, gives a new key (a file's path, size,
+  mtime and first and last 4 KiB): a cache does not serve stale tokens unless a file is replaced by one of
+  the same size, mtime and ends; a hub dataset's key is its name (an update on the hub is not seen).
 
 Tests that hold it to this: test_data.py (test_save_is_atomic_and_corrupt_files_are_one_error,
 test_a_hub_name_fetches_that_tokenizer, test_hf_style_vocab, test_transformers_autotokenizer) and
@@ -160,11 +161,19 @@ def _hash(obj):
     return hashlib.sha1(json.dumps(obj).encode()).hexdigest()[:16]
 
 def corpus_key(data, files):
-    """The cache key of the corpus: its files' paths, sizes and mtimes (files = corpus.resolve_files(data)),
+    """The cache key of the corpus: its files' paths, sizes, mtimes and ends (files = corpus.resolve_files(data)),
     or the hub name."""
-    stats = [data] if files is None else [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns)
+    stats = [data] if files is None else [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns, _ends(f))
                                           for f in files]
     return _hash([stats, FORMAT_VERSION])
+
+def _ends(path, n=1 << 12):
+    """sha1 of a file's first and last 4 KiB (8 KiB read a file, at every start): a file replaced under the same
+    size and mtime (cp -p, rsync -a, tar x) differs there, unless the change is all in its middle."""
+    with open(path, "rb") as f:
+        head = f.read(n)
+        f.seek(max(0, os.path.getsize(path) - n))
+        return hashlib.sha1(head + f.read(n)).hexdigest()
 
 def tokenizer_dir(cache_dir, corpus_key, vocab_size):
     return Path(cache_dir) / f"tokenizer-{corpus_key}-{vocab_size}"
