@@ -151,7 +151,8 @@ def random_pair_cosine(hidden, rng):
 
 def sentence_self_similarity(hidden, token_mask):
     """TaCL's self-similarity: mean pairwise cosine (i != j) among the tokens of each
-    sentence. hidden (B, T, D), token_mask (B, T) bool. Returns (B,) values and (B,) valid
+    sentence (the official script pools pairs over sentences, [CLS]/[SEP] in: fidelity note 39).
+    hidden (B, T, D), token_mask (B, T) bool. Returns (B,) values and (B,) valid
     (sentences with at least two tokens)."""
     unit = F.normalize(hidden.float(), dim=-1) * token_mask[..., None]
     n = token_mask.sum(1).float()
@@ -286,12 +287,18 @@ def _distinct_pair_mean(sim):
 # Held-out text, tokenizers, encoding
 
 
+# a WikiText heading run into the text (a decoded validation split joins an article's lines): "= = career = ="
+# at the start or after a sentence's end
+RUN_IN_HEADING = re.compile(r"(?:^|(?<=[.!?] ))(?:(=(?: =)*) [^=]+? \1(?: |$))+")  # as many = each side
+
+
 def split_sentences(text):
-    """Cheap sentence splitter for WikiText-style prose (undoes its @-@ escapes): a new
-    sentence starts after . ! or ? and a capital (any letter in lowercased text)."""
-    text = text.replace(" @-@ ", "-").replace(" @,@ ", ",").replace(" @.@ ", ".")
+    """Cheap sentence splitter for WikiText-style prose (undoes its @-@ escapes, raw " @-@ " or decoded
+    " @ - @ ", and drops headings): a new sentence starts after . ! or ? and a capital (any letter in
+    lowercased text)."""
+    text = RUN_IN_HEADING.sub("\n", re.sub(r" ?@ ?([-,.]) ?@ ?", r"\1", text))
     starts = "A-Z" if text != text.lower() else "a-z0-9"  # text decoded by an uncased tokenizer
-    return [s.strip() for s in re.split(rf"(?<=[.!?])\s+(?=[{starts}\"'(\[])", text) if s.strip()]
+    return [s.strip() for s in re.split(rf"(?<=[.!?])\s+(?=[{starts}\"'(\[])|\n", text) if s.strip()]
 
 
 def load_sentences(documents, num_sentences, seed=0, min_words=5):

@@ -387,7 +387,11 @@ def validate(cfg):
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse for eval.py and bench.py, whose errors are one line on stderr and exit 2, as train.py's."""
+    """argparse for eval.py and bench.py, whose errors are one line on stderr and exit 2, as train.py's, and
+    which takes no abbreviation (eval.py's --seed would be read as --seeds)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message):
         print(f"error: {message}", file=sys.stderr)

@@ -378,6 +378,8 @@ def validate_args(args):
         value = getattr(args, flag, None)
         if value is not None and not allowed(value):
             raise ValueError(f"--{flag} {value}: must be {what}")
+    if not 0 <= getattr(args, "seed", 0) < 2 ** 32:
+        raise ValueError(f"--analysis_seed {args.seed}: must be an integer in [0, 2**32)")
     if args.device is not None:
         try:
             device = torch.device(args.device)
@@ -684,6 +686,8 @@ def build_parser():
                    "(STS-B pairs from --glue_dir)")
     a.add_argument("--text", help="held-out text for --analysis (default: the run's validation split)")
     a.add_argument("--num_sentences", type=int, default=1000, help="held-out sentences sampled for --analysis")
+    a.add_argument("--analysis_seed", dest="seed", type=int, default=0, help="draws the sentences and the "
+                   "partners of --analysis (another seed measures their noise)")
     a.add_argument("--plot_log", nargs="+", metavar="LOG", help="plot these log.jsonl files on shared axes "
                    "(into --out, a directory or a .png, default .)")
     return p

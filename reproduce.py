@@ -796,6 +796,9 @@ def report(args, runs):
 
 
 class Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):  # no abbreviations: a mistyped flag is an error, not another flag
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
     def error(self, message):  # one line and exit 2, as config.Parser (not imported: reproduce.py never loads torch)
         print(f"error: {message}", file=sys.stderr)
         sys.exit(2)

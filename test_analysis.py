@@ -526,6 +526,18 @@ def test_held_out_text_falls_back_to_the_run_validation_split(tok, tmp_path, mon
         A.held_out_documents(str(tmp_path), run)
 
 
+def test_decoded_wikitext_loses_its_escapes_and_run_in_headings():
+    # a run's validation split decoded by an uncased tokenizer: whole articles, headings run in, "@ - @" escapes
+    doc = ("= robert boulter = robert boulter is an english film , television and theatre actor . he had a "
+           "guest @ - @ starring role in 2000 . = = career = = = = = 2000 – 2005 = = = in 2006 , boulter "
+           "starred in the play . it cost 1 @ , @ 000 pounds . the equation x = 5 holds .")
+    assert A.split_sentences(doc) == [
+        "robert boulter is an english film , television and theatre actor .", "he had a guest-starring role in 2000 .",
+        "in 2006 , boulter starred in the play .", "it cost 1,000 pounds .", "the equation x = 5 holds ."]
+    raw = "He had a guest @-@ starring role . It cost 1 @,@ 000 pounds ."  # the raw files' escapes, as before
+    assert A.split_sentences(raw) == ["He had a guest-starring role .", "It cost 1,000 pounds ."]
+
+
 def test_held_out_text_falls_back_to_the_sample_corpus(tmp_path, monkeypatch):
     import lzma
     sample = tmp_path / "sample.raw.xz"

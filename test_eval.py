@@ -500,7 +500,8 @@ BAD_FLAGS = [  # (flags, what the error line must name)
     (["--warmup", "-1"], "--warmup -1.0"), (["--weight_decay", "-0.1"], "--weight_decay -0.1"),
     (["--dropout", "1"], "--dropout 1.0"), (["--dropout", "-0.5"], "--dropout -0.5"),
     (["--device", "tpu"], "--device tpu"), (["--device", "cuda:99"], "--device cuda:99"),
-    (["--tasks", "rte,squad"], "unknown task 'squad'"), (["--tasks", " ,"], "name at least one task"), (["--seeds", ","], "--seeds"), (["--seeds", "1,x"], "--seeds"),
+    (["--seed", "7"], "unrecognized arguments: --seed"),  # not taken for --seeds: no abbreviations
+    (["--analysis_seed", "-1"], "--analysis_seed -1"), (["--tasks", "rte,squad"], "unknown task 'squad'"), (["--tasks", " ,"], "name at least one task"), (["--seeds", ","], "--seeds"), (["--seeds", "1,x"], "--seeds"),
     (["--seeds", "1,1"], "--seeds"), (["--seeds=-1"], "--seeds"), (["--seeds", str(2 ** 64)], "[0, 2**31)"), (["--grid_seed", "-2"], "--grid_seed -2"), (["--predict_seed", "3"], "--predict_seed 3"),
     (["--max_train_samples", "0"], "--max_train_samples 0"), (["--max_eval_samples", "-3"], "--max_eval_samples -3"),
     (["--num_combos", "0"], "--num_combos 0"), (["--glue_dir", "{tmp}/nowhere"], "--glue_dir"),
