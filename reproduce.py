@@ -874,6 +874,10 @@ def parse(argv):
     args.cache_dir = args.cache_dir or os.path.join(args.out_dir, "cache")
     if os.path.exists(args.cache_dir) and not os.path.isdir(args.cache_dir):
         p.error(f"--cache_dir {args.cache_dir}: a file, not a directory")
+    for name in ("out_dir", "cache_dir") if args.data and os.path.isdir(os.path.expanduser(args.data)) else ():
+        rel = os.path.relpath(os.path.realpath(getattr(args, name)), os.path.realpath(os.path.expanduser(args.data)))
+        if rel.split(os.sep)[0] != "..":  # train.py refuses it too (config.reads_into), but only at the first run
+            p.error(f"--{name} {getattr(args, name)}: inside --data {args.data}, whose files would be read as corpus")
     if not 0 <= args.seed < 2 ** 64:  # train.py's --seed range, asked before any run starts
         p.error(f"--seed {args.seed}: must be an integer in [0, 2**64)")
     if args.tokenizer and not os.path.exists(args.tokenizer):

@@ -165,6 +165,7 @@ def test_bad_input_is_refused_before_any_work(tmp_path):
                          (["--objectives", "taco", "--only", "mlm"], "not one of the runs"),
                          (["--seeds", "1,\u00b2"], "--seeds"), (["--objectives", ","], "unknown objective"),
                          (["--seeds", "1," + "9" * 23], "[0, 2**31)"),  # else found only after all the pretraining
+                         (["--data", str(tmp_path)], "inside --data"),  # out_dir tmp_path/repro: read as corpus
                          (["--nproc_per_node", "0"], "--nproc_per_node 0"), (["--seed", "-1"], "--seed -1"),
                          (["--cache_dir", __file__], "a file, not a directory")):
         assert needle in reproduce_error([*argv, "--out_dir", str(out)], tmp_path)
