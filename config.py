@@ -380,8 +380,8 @@ def validate(cfg):
     if not cfg.resume and held:
         raise ValueError(f"--out_dir {cfg.out_dir} holds a model ({held[0]}) but no ckpt.pt to resume: a new run "
                          f"would overwrite it; choose another --out_dir, or delete that one to train again")
-    tokenizer_dir = cfg.tokenizer if os.path.isdir(cfg.tokenizer) else os.path.dirname(cfg.tokenizer) or "."
-    if not cfg.resume and os.path.exists(cfg.tokenizer) and os.path.realpath(tokenizer_dir) == os.path.realpath(cfg.out_dir):
+    if (not cfg.resume and os.path.exists(cfg.tokenizer)
+            and os.path.realpath(init_dir(cfg.tokenizer)) == os.path.realpath(cfg.out_dir)):
         raise ValueError(f"--tokenizer {cfg.tokenizer} is in --out_dir: the run writes its own tokenizer files there "
                          f"and would overwrite these; choose another --out_dir")
 
@@ -399,7 +399,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def init_dir(init_from):
-    """The directory of --init_from: itself, or a ckpt.pt's folder (where its tokenizer is)."""
+    """The directory of --init_from (or --tokenizer): itself, or a file's folder (where a ckpt.pt's tokenizer is)."""
     return init_from if os.path.isdir(init_from) else os.path.dirname(init_from) or "."
 
 

@@ -70,8 +70,7 @@ def mask_tokens(input_ids, config, rng, mask_prob=0.15, mask_frac=0.8, random_fr
     positions scored below all), written into K = ceil(mask_prob * T) slots; slots beyond a row's count are
     unused and labelled -100. Of the selected: mask_frac -> [MASK], random_frac -> a random real token, the rest
     unchanged (BERT 80/10/10; ELECTRA 85/0/15). The MLM head then runs on the K gathered slots only.
-    Returns corrupted ids (B, T), positions (B, K) long, labels (B, K) long (-100 = unused).
-    """
+    Returns corrupted ids (B, T), positions (B, K) long, labels (B, K) long (-100 = unused)."""
     B, T = input_ids.shape
     device = input_ids.device
     eligible = eligible_positions(input_ids, config, attention_mask)
@@ -228,8 +227,7 @@ class TACO(nn.Module):
     negative_pool consecutive rows, 0 = the micro-batch as the official code). s = cos / tau; positives and
     negatives are detached (taco_stop_grad), so the gradient reaches h and the embeddings through the anchor.
     L_TC = mean over anchors of -log(e^{s+} / (e^{s+} + sum_k e^{s-_k})); L = L_MLM + lambda * L_TC.
-    Memory: negatives are scored by NegativeDots, never gathered as one (B, T, K, D) tensor.
-    """
+    Memory: negatives are scored by NegativeDots, never gathered as one (B, T, K, D) tensor."""
     uses_negative_pool = True  # config.py gives each process whole pools and checks their size
 
     def __init__(self, model, cfg):
@@ -317,8 +315,7 @@ class TaCL(nn.Module):
         corrupted, positions, labels = mask_tokens(x, model.config, rng, self.mask_prob, attention_mask=attention_mask)
         h = model(corrupted, attention_mask=attention_mask)
         loss, metrics = mlm_loss(model, h, x, positions, labels, attention_mask, self.predict_all)
-        # teacher: the original input, frozen
-        # ours: a frozen teacher needs no fp32 (fidelity note 14); not on pre-Ampere GPUs, which emulate bf16
+        # teacher: the original input, frozen; it needs no fp32 (ours, note 14), bf16 but on pre-Ampere (emulated)
         bf16 = x.is_cuda and torch.cuda.is_bf16_supported(including_emulation=False)
         with torch.no_grad(), torch.autocast(x.device.type, torch.bfloat16, enabled=bf16):
             teacher_hidden = self.teacher(x, attention_mask=attention_mask)
@@ -469,8 +466,7 @@ class COCOLM(nn.Module):
        2B views at tau = 1: L_SCL (with negative_pool P > 0, over the 2P views of each P consecutive rows).
     L = L_gen + lambda_copy * L_copy + L_LM + L_SCL. The main model's own MLM head is unused.
     The official repository releases this forward and the heads, not the task and criterion (the masking
-    recipe, the crop, the loss reduction): those are the paper's §3 as we read it (fidelity notes 27, 28).
-    """
+    recipe, the crop, the loss reduction): those are the paper's §3 as we read it (fidelity notes 27, 28)."""
     uses_negative_pool = True  # config.py gives each process whole pools and checks their size
 
     def __init__(self, model, cfg):
