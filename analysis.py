@@ -526,6 +526,36 @@ def _save_figure(fig, path, dpi=110):
     replace_atomic(path, lambda tmp: fig.savefig(tmp, dpi=dpi, format="png"))
 
 
+PLOTS = ("contextual", "self_similarity", "heatmap", "sentence_similarity", "word_similarity")  # analysis_NAME.png
+
+
+def set_aside_earlier(out, head, paths, log=print):
+    """An earlier analysis.json in `out` is replaced only by the same measurement redone (the same text,
+    sentences, seed and max_len, and every model it held among `paths`: reproduce.py's growing set of runs);
+    any other (another --analysis_seed, --text, model) moves aside with its plots to analysis.K.json and
+    analysis_NAME.K.png: never overwritten, as eval.py's glue.json."""
+    path = os.path.join(out, "analysis.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            old = json.load(f)
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError):
+        old = None
+    if (isinstance(old, dict) and all(old.get(k) == v for k, v in head.items())
+            and isinstance(old.get("models"), dict)
+            and {m.get("path") if isinstance(m, dict) else None for m in old["models"].values()} <= set(paths)):
+        return
+    k = 1
+    while os.path.exists(os.path.join(out, f"analysis.{k}.json")):
+        k += 1
+    for name in PLOTS:
+        if os.path.exists(os.path.join(out, f"analysis_{name}.png")):
+            os.replace(os.path.join(out, f"analysis_{name}.png"), os.path.join(out, f"analysis_{name}.{k}.png"))
+    os.replace(path, os.path.join(out, f"analysis.{k}.json"))  # last: a kill before it leaves it to move next time
+    log(f"note: {path} was another measurement (other models, text, seed or --max_len): moved to analysis.{k}.json")
+
+
 def run_analysis(args):
     """eval.py --analysis. Reads args.model (run dirs, HF dirs or ckpt.pt files), args.out
     (default: the first model's directory) and args.text; optional: num_sentences, max_len,
@@ -569,6 +599,7 @@ def run_analysis(args):
     results = {"text": text_source, "num_sentences": len(sentences), "seed": args.seed, "max_len": args.max_len,
                "stsb": stsb_source and f"{stsb_source} (validation split)", "heatmap_sentence": heatmap_sentence,
                "models": {}}
+    set_aside_earlier(out, {k: results[k] for k in ("text", "num_sentences", "seed", "max_len")}, models)
     raws = {}
     for label, path in zip(_labels(models), models):
         print(f"analysing {path}")
@@ -579,7 +610,7 @@ def run_analysis(args):
         results["models"][label] = {"path": path, "training_step": model.training_step, "max_len": max_len,
                                     **result}
         del model
-    plot_contextual(results, os.path.join(out, "analysis_contextual.png"))
+    plot_contextual(results, os.path.join(out, "analysis_contextual.png"))  # the names are PLOTS'
     plot_self_similarity(results, os.path.join(out, "analysis_self_similarity.png"))
     plot_heatmaps(raws, heatmap_sentence, os.path.join(out, "analysis_heatmap.png"))
     plot_sentence_similarity(raws, os.path.join(out, "analysis_sentence_similarity.png"))

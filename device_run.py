@@ -593,7 +593,7 @@ def run(args):
             value = os.path.join(HERE, default) if os.path.exists(os.path.join(HERE, default)) else ""
         setattr(args, name, os.path.abspath(value) if value else "")
     if args.chunk != "speed" and not args.glue_dir:
-        sys.exit(f"error: no GLUE TSVs: run `python device_run.py prepare --shared DIR` first, or pass --glue_dir")
+        sys.exit("error: no GLUE TSVs: run `python device_run.py prepare --shared DIR` first, or pass --glue_dir")
     if args.chunk != "speed" and not args.toy and not args.data:
         sys.exit(f"error: no corpus in {DATA_DIR}/corpus: run `python device_run.py prepare --shared DIR` first")
     log = Log(os.path.join(work, "device_run.log"))

@@ -13,7 +13,8 @@ glue.md (the table) into --out (default: the model's directory), where an earlie
 join the table if it was made from the same export with the same settings (else it moves aside to
 glue.K.json, never overwritten); --predict adds one GLUE
 submission file per test set there, --save_model a fine-tuned Hugging Face directory per task
-under models/. --analysis writes analysis.json and analysis_*.png.
+under models/. --analysis writes analysis.json and analysis_*.png (an earlier one of another
+measurement moves aside to analysis.K.json).
 
 Notable choices:
 - Protocol (--recipe paper, the default) as TACO's Appendix A: shared values from Table 6;

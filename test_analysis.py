@@ -602,3 +602,28 @@ def test_a_model_with_fewer_positions_than_max_len_is_analysed_at_its_own_length
     # asked for explicitly, a length beyond the model's positions is refused, as GLUE's --max_len is
     with pytest.raises(ValueError, match="--max_len 128: exceeds"):
         A.run_analysis(SimpleNamespace(model=[model], out=None, text=str(text), max_len=128))
+
+
+def test_an_earlier_analysis_moves_aside_unless_redone(tok, tmp_path, monkeypatch):
+    # another --analysis_seed (or text, or model) into the same --out keeps the earlier numbers as analysis.1.json;
+    # the same measurement over a growing set of models (reproduce.py) replaces it
+    no_hub(monkeypatch)
+    a, b = (save_model(tiny_bert(tok.get_vocab_size(), seed), tok, tmp_path / name) for seed, name in enumerate("ab"))
+    text = tmp_path / "t.txt"
+    text.write_text("\n".join(make_text(20)))
+    out = tmp_path / "out"
+    for plot in ("contextual", "self_similarity", "heatmaps", "sentence_similarity", "word_similarity"):
+        monkeypatch.setattr(A, f"plot_{plot}", lambda *args: open(args[-1], "wb").close())  # matplotlib is slow
+
+    def analyse(models, seed):
+        A.run_analysis(SimpleNamespace(model=models, out=str(out), text=str(text), num_sentences=20, seed=seed))
+        return sorted(os.listdir(out))
+    first = analyse([a], 0)
+    assert analyse([a, b], 0) == first  # redone with one more model: replaced, nothing set aside
+    assert len(json.loads((out / "analysis.json").read_text())["models"]) == 2
+    names = analyse([a, b], 1)
+    assert "analysis.1.json" in names and "analysis_contextual.1.png" in names
+    assert json.loads((out / "analysis.1.json").read_text())["seed"] == 0
+    assert json.loads((out / "analysis.json").read_text())["seed"] == 1
+    names = analyse([b], 1)  # a model of the earlier one is missing: set aside too
+    assert "analysis.2.json" in names and "analysis_word_similarity.2.png" in names
