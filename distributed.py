@@ -3,8 +3,9 @@
 The algorithm does not need this module: on one process it reduces to "cpu or cuda, fp32 or bf16". It
 guarantees (test_train.py's DDP, torchrun-SIGTERM and SIGKILL tests; test_reliability.py's signal tests):
 - torchrun's RANK / WORLD_SIZE / LOCAL_RANK give each process its GPU (NCCL) or a gloo CPU group;
-- a frozen or dead rank fails the others' next collective after DDP_TIMEOUT instead of hanging for good,
-  and the ranks that wait while rank 0 tokenizes a corpus wait up to DATA_TIMEOUT on their own group;
+- a dead rank fails the others' next collective at once, a frozen one after DDP_TIMEOUT (never a hang),
+  and the ranks that wait while rank 0 (or a node with its own --cache_dir) tokenizes a corpus wait up to
+  DATA_TIMEOUT on their own group;
 - SIGINT / SIGTERM stop a run between two steps, never inside one, and every rank stops after the same
   step (a tiny gloo all-reduce each step); a second Ctrl-C stops at once (under torchrun it reaches only
   torchrun, which passes on a SIGTERM: the workers still save); a SIGKILLed torchrun takes its workers
@@ -20,10 +21,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-# a frozen or dead rank fails the others' next collective after this long, instead of hanging for good
+# a frozen rank fails the others' next collective after this long, instead of hanging for good
 DDP_TIMEOUT = timedelta(minutes=15)
 # ranks > 0 wait while rank 0 trains the tokenizer and tokenizes the corpus, hours for a full
-# Wikipedia: that one barrier runs on its own gloo group with a long timeout (NCCL's default of
+# Wikipedia: those barriers run on their own gloo group with a long timeout (NCCL's default of
 # 10 min would kill the job), so the training collectives keep the short one above
 DATA_TIMEOUT = timedelta(hours=6)
 
@@ -67,17 +68,24 @@ def setup(cfg):
 
 
 def rank0_first(layout, prepare):
-    """prepare() on rank 0, then on the other ranks (which then read rank 0's token cache)."""
+    """prepare() on rank 0, then on the other ranks (which then read rank 0's token cache). Every rank leaves
+    once all have their data, still under DATA_TIMEOUT: another node with a --cache_dir of its own tokenizes
+    the corpus itself, for hours, while rank 0 would wait in DDP's set-up (DDP_TIMEOUT)."""
     if layout.ddp and not layout.master:
-        try:
-            dist.barrier(group=layout.data_group)
-        except RuntimeError:  # rank 0 exited on bad input (its error line says why), or took over DATA_TIMEOUT
-            raise ValueError(f"rank 0 stopped while preparing the data (its error line says why), or took over "
-                             f"{DATA_TIMEOUT}") from None  # said once per node (LOCAL_RANK 0), not once per rank
+        data_barrier(layout, "rank 0 stopped while preparing the data")
     result = prepare()
     if layout.ddp and layout.master:
-        dist.barrier(group=layout.data_group)
+        data_barrier(layout, "another rank stopped")  # the others start theirs
+    if layout.ddp:  # and every rank waits for the slowest
+        data_barrier(layout, "another rank stopped while preparing its data")
     return result
+
+
+def data_barrier(layout, who):
+    try:
+        dist.barrier(group=layout.data_group)
+    except RuntimeError:  # that rank exited on bad input (its error line says why), or took over DATA_TIMEOUT
+        raise ValueError(f"{who} (its error line says why), or took over {DATA_TIMEOUT}") from None
 
 
 def wrap(layout, trainer):

@@ -329,6 +329,29 @@ def test_init_from_a_hugging_face_bert_model_with_a_pooler(corpus, tmp_path):
     assert not torch.equal(resumed.embeddings.word.weight, start["embeddings.word.weight"])
 
 
+@pytest.mark.slow
+def test_every_rank_waits_for_the_slowest_data_under_the_data_timeout(tmp_path):
+    # a node with its own --cache_dir tokenizes for hours after rank 0 is done: rank 0 must wait for it under
+    # DATA_TIMEOUT, not in DDP's set-up, whose 15-minute timeout (3 s here) would kill the job
+    script = tmp_path / "ranks.py"
+    script.write_text(f"""import sys, time, datetime, types
+sys.path.insert(0, {str(HERE)!r})
+import torch, torch.distributed as dist
+import distributed
+distributed.DDP_TIMEOUT = datetime.timedelta(seconds=3)
+layout = distributed.setup(types.SimpleNamespace(device="cpu"))
+distributed.rank0_first(layout, lambda: time.sleep(0 if layout.master else 8))
+x = torch.ones(1)
+dist.all_reduce(x)  # rank 0's first collective on the default group, as DDP's set-up
+print("ok", layout.rank, int(x.item()))
+distributed.close(layout)
+""")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert sorted(re.findall(r"ok (\d) 2", r.stdout)) == ["0", "1"]
+
+
 # ---- bad input: one clear line, non-zero exit, nothing saved lost
 
 @pytest.mark.slow
