@@ -201,7 +201,10 @@ def budget_table():
 
 
 def git(*args, root=HERE):
-    done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+    try:
+        done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+    except OSError:  # no git program (a bare GPU machine may lack one): the provenance falls back to source.json
+        return None
     return done.stdout if done.returncode == 0 else None
 
 
@@ -394,9 +397,12 @@ if torch.cuda.is_available():
     memory = torch.cuda.get_device_properties(0).total_memory
     info.update(gpu=torch.cuda.get_device_name(0), gpu_memory_gb=round(memory / 2**30, 1),
                 matmul_finite=bool(torch.isfinite(x @ x).all()))
-    smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
-                         text=True)
-    info["driver"] = smi.stdout.strip() or None
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True)
+        info["driver"] = smi.stdout.strip() or None
+    except OSError:  # no nvidia-smi: the driver goes unrecorded, the chunk runs
+        info["driver"] = None
 import datasets, tokenizers
 info.update(datasets=datasets.__version__, tokenizers=tokenizers.__version__)
 print("CHECK " + json.dumps(info))

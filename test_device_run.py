@@ -155,6 +155,19 @@ def test_prepare_copies_what_travels_and_drops_ab_when_it_does_not_fit(tmp_path,
 # every chunk end to end at toy scale, then merged
 
 
+def test_a_machine_without_git_or_nvidia_smi_still_runs_the_chunk(tmp_path, monkeypatch):
+    # a bare GPU machine may lack git: the provenance comes from prepare's source.json instead of a crash
+    (tmp_path / "source.json").write_text(json.dumps(dict(commit="abc123", dirty=False, files=["model.py"],
+                                                          sha256=device_run.source_hash(["model.py"]))))
+    monkeypatch.setattr(device_run, "DATA_DIR", str(tmp_path))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert device_run.git("rev-parse", "HEAD") is None
+    record = device_run.source_provenance()
+    assert record["commit"] == "abc123" and record["read_from"] == "prepare's source.json" and record["dirty"] is False
+    # and the device check's nvidia-smi call is guarded the same way (it runs on CUDA only: checked as text here)
+    assert 'except OSError:  # no nvidia-smi' in device_run.CHECK
+
+
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
     """Each chunk's command at toy scale, once for the module: {chunk: (exit code, output)}, and the folders."""
