@@ -362,6 +362,21 @@ def note_time(run_dir, stage, seconds):
     save_json(times, path)
 
 
+def wait_for_train_py(run_dir, seconds=60):
+    """A train.py whose reproduce.py was killed gets SIGTERM, saves its step and exits: wait for it to let go of
+    the run's lock (a minute at most) rather than refuse the rerun, or remove a checkpoint it is writing."""
+    path = os.path.join(run_dir, ".lock")
+    deadline = time.time() + seconds
+    while os.path.isfile(path):
+        lock = try_lock(path)
+        if lock is not None:
+            lock.close()
+            return
+        if time.time() > deadline:
+            sys.exit(f"error: {run_dir} is in use by another train.py")
+        time.sleep(0.5)
+
+
 def pretrain(args, scale, name, objective, steps, extra, start=None):
     """Train a run to `steps`, resuming a killed one. A fresh run gets a new id in reproduce_init.json, with
     `start`: a continuation's record of the mlm export it starts from."""
@@ -371,15 +386,12 @@ def pretrain(args, scale, name, objective, steps, extra, start=None):
         return
     train = [args.python, "train.py"] if args.nproc_per_node == 1 else [  # DDP on this node's GPUs
         args.python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc_per_node}", "train.py"]
+    if not args.dry_run:
+        wait_for_train_py(run_dir)  # before choosing: a checkpoint may still be on its way
     if os.path.isfile(os.path.join(run_dir, "ckpt.pt")):
         cmd = [*train, "--resume", run_dir, "--max_steps", str(steps)]  # a killed run goes on
     else:
         if os.path.isdir(run_dir) and not args.dry_run:  # killed before its first ckpt.pt: nothing to resume
-            if os.path.isfile(os.path.join(run_dir, ".lock")):
-                lock = try_lock(os.path.join(run_dir, ".lock"))
-                if lock is None:
-                    sys.exit(f"error: {run_dir} is in use by another train.py")
-                lock.close()  # ours now, and closed: Windows deletes no open file
             shutil.rmtree(run_dir)
         # 10% warm-up, then linear decay to 0 (continuations too: `steps` is theirs)
         cmd = [*train, "--objective", objective, *scale["train"], "--max_steps", str(steps),

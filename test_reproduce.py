@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -193,6 +194,24 @@ def test_bad_input_is_refused_before_any_work(tmp_path):
         assert "unreadable or not a JSON object" in reproduce_error(["--out_dir", str(out), "--only", "report"],
                                                                     tmp_path)
         assert (out / "reproduce.json").read_text() == damaged
+
+
+def test_a_rerun_waits_for_the_killed_runs_train_py_to_save(tmp_path, monkeypatch):
+    # reproduce.py SIGKILLed: its train.py gets SIGTERM, saves its step and exits. A rerun at once must wait for
+    # that checkpoint and resume it, not refuse ("in use") nor start over and delete it
+    run_dir = tmp_path / "mlm"
+    run_dir.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", f"""import fcntl, time
+f = open({str(run_dir / ".lock")!r}, "a"); fcntl.flock(f, fcntl.LOCK_EX); print("held", flush=True)
+time.sleep(2); open({str(run_dir / "ckpt.pt")!r}, "w").write("saved")"""], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    commands = []
+    monkeypatch.setattr(reproduce, "run_cmd", lambda cmd, *a: commands.append(cmd))
+    args = SimpleNamespace(out_dir=str(tmp_path), python=sys.executable, nproc_per_node=1, dry_run=False, seed=0,
+                           cache_dir=str(tmp_path / "cache"), data=None, tokenizer=None)
+    reproduce.pretrain(args, dict(train=[], env={}), "mlm", "mlm", 20, [])
+    holder.wait(timeout=30)
+    assert "--resume" in commands[0] and (run_dir / "ckpt.pt").read_text() == "saved"
 
 
 def test_a_finished_run_without_its_checkpoint_is_kept(tmp_path):
@@ -790,7 +809,6 @@ def test_data_check_follows_data_py(tmp_path, monkeypatch):
 
 def test_nproc_per_node_is_checked_with_train_pys_own_batch_rule():
     # mini: 256 sequences per step, whole pools of 64 for TACO: 3 processes do not divide it, 2 and 4 do
-    from types import SimpleNamespace
     args = lambda n: SimpleNamespace(scale="mini", nproc_per_node=n, selected=["mlm", "taco", "tacl"])
     assert reproduce.nproc_problem(args(2)) is None and reproduce.nproc_problem(args(4)) is None
     problem = reproduce.nproc_problem(args(3))
