@@ -307,3 +307,34 @@ def test_a_full_cache_disk_blames_the_cache_not_the_corpus(tmp_path, monkeypatch
         corpus._load_local(datasets, "text", {"train": str(tmp_path / "good.txt")}, str(tmp_path / "hf"))
     message = str(info.value)
     assert "no space left on the device of the cache" in message and "--cache_dir" in message, message
+
+
+def test_the_cache_keys_on_the_tokenizer_and_the_vocab_size(tok_dir, tmp_path):
+    # one corpus, one cache, two vocabulary sizes and a given tokenizer: never each other's files
+    path = tmp_path / "a.txt"
+    path.write_text("\n".join(_paragraph(i) for i in range(40)))
+    tok_a, train_a, _ = data.prepare_data(str(path), tmp_path / "cache", vocab_size=150, val_fraction=0)
+    tok_b, train_b, _ = data.prepare_data(str(path), tmp_path / "cache", vocab_size=300, val_fraction=0)
+    assert tok_a.get_vocab_size() < tok_b.get_vocab_size()
+    tok_c, train_c, _ = data.prepare_data(str(path), tmp_path / "cache", tokenizer=tok_dir, val_fraction=0)
+    for tok, stream in ((tok_a, train_a), (tok_b, train_b), (tok_c, train_c)):
+        first = tok.encode(_paragraph(0), add_special_tokens=False).ids
+        assert stream[:len(first)].tolist() == first and stream.max() < tok.get_vocab_size()
+
+
+def test_the_corpus_key_sees_each_kind_of_replacement(tmp_path):
+    # every part of the key is needed: size, mtime, and the file's ends
+    f = tmp_path / "big.txt"
+    base = "".join(_paragraph(i) + "\n" for i in range(200))  # ~70 KB: the ends are 4 KiB of each side
+
+    def key(text, mtime=None):
+        f.write_text(text)
+        if mtime:
+            os.utime(f, ns=(mtime, mtime))
+        return token_files.corpus_key(str(f), [f])
+    k0 = key(base)
+    stamp = f.stat().st_mtime_ns
+    mid = len(base) // 2
+    assert key(base[:mid] + "X" + base[mid + 1:], stamp + 10**9) != k0  # a middle edit, a new mtime
+    assert key(base[:mid] + "extra words" + base[mid:], stamp) != k0  # an insertion, the same mtime
+    assert key(base[:-10] + "Z" * 9 + "\n", stamp) != k0  # a tail edit, the same size and mtime

@@ -310,3 +310,9 @@ def test_sample_corpus(tmp_path, monkeypatch):
 def test_sample_corpus_is_the_wikitext2_test_split():
     raw = (SHARED_DATA / "corpus/wikitext2_raw_test/wiki.test.raw").read_bytes()
     assert lzma.decompress(Path(data.SAMPLE_CORPUS).read_bytes()) == raw
+
+
+def test_a_small_corpus_holds_out_a_tenth():
+    # the held-out floor (VAL_MIN_TOKENS) is capped at 10% of a small corpus
+    train_part, val = data.split_train_val(np.full(20_000, 7, dtype=np.uint16), 0.001, 3)
+    assert len(val) == 2000 and len(train_part) == 18_000

@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -882,3 +883,73 @@ def test_a_collapsing_fp16_loss_scale_is_a_divergence(corpus, cache, tmp_path, c
     assert not (out_dir / "ckpt.pt").exists()
     log = [json.loads(line) for line in open(out_dir / "log.jsonl")]
     assert not any("loss_scale" in r for r in log[1:])  # stopped at the first log step, before logging it
+
+
+# ---- tests from a mutation audit of the run machinery: each fails on a mutant that survived the suite
+
+def test_the_run_holds_its_lock_while_it_trains(corpus, cache, tmp_path, capsys, monkeypatch):
+    # a lock released as soon as taken would let a second run in, and eval.py would not see a run in progress
+    held, real_save = [], rundir.Run.save
+
+    def save(self, step, elapsed_s):
+        held.append(hf_io.still_training(str(self.cfg.out_dir)))
+        return real_save(self, step, elapsed_s)
+    monkeypatch.setattr(rundir.Run, "save", save)
+    assert run_main(flags(corpus, cache, tmp_path / "run", max_steps=5, ckpt_interval=5), capsys)[0] == 0
+    assert held == [True] and not hf_io.still_training(str(tmp_path / "run"))
+
+
+def test_a_torch_save_dying_mid_write_keeps_the_last_checkpoint(corpus, cache, tmp_path, capsys, monkeypatch):
+    # atomic_save itself under a failure (the kill tests replace atomic_save whole): half a file never lands
+    real, calls = torch.save, []
+
+    def dies_second(obj, f, *a, **k):
+        calls.append(f)
+        if len(calls) == 2:
+            with open(f, "wb") as out:
+                out.write(b"half a checkpoint")
+            raise RuntimeError("killed")
+        return real(obj, f, *a, **k)
+    monkeypatch.setattr(torch, "save", dies_second)
+    code, _, err = run_main(flags(corpus, cache, tmp_path / "run", max_steps=20, ckpt_interval=10), capsys)
+    monkeypatch.undo()
+    assert code == 1 and hf_io.load_checkpoint_file(str(tmp_path / "run" / "ckpt.pt"))["step"] == 10, err
+    assert not [p for p in (tmp_path / "run").iterdir() if ".tmp" in p.name]
+
+
+def test_nan_weights_with_a_finite_loss_are_not_saved(corpus, cache, tmp_path, capsys, monkeypatch):
+    # weights gone non-finite in the step before a save, the loss and gradient norm still finite
+    real_step, calls = torch.optim.AdamW.step, []
+
+    def poisons_tenth(self, *a, **k):
+        out = real_step(self, *a, **k)
+        calls.append(1)
+        if len(calls) == 10:
+            with torch.no_grad():
+                self.param_groups[0]["params"][0].fill_(float("nan"))
+        return out
+    monkeypatch.setattr(torch.optim.AdamW, "step", poisons_tenth)
+    code, _, err = run_main(flags(corpus, cache, tmp_path / "run", max_steps=20, ckpt_interval=10, log_interval=100),
+                            capsys)
+    assert code == 1 and not (tmp_path / "run" / "ckpt.pt").exists(), err
+    one_error(err, "at step 10", "nothing was saved")
+
+
+def test_resume_refuses_another_seq_len(corpus, cache, tmp_path, capsys):
+    # blocks, and the saved loader position, are counted in seq_len units
+    assert run_main(flags(corpus, cache, tmp_path / "run", max_steps=5, ckpt_interval=5), capsys)[0] == 0
+    code, _, err = run_main(["--resume", str(tmp_path / "run"), "--seq_len", "64", "--max_steps", "6"], capsys)
+    assert code == 2
+    one_error(err, "seq_len")
+
+
+def test_the_data_fingerprint_sees_an_edit_that_keeps_the_token_count():
+    a = np.arange(3000, dtype=np.uint16)
+    b = a.copy()
+    b[1234] += 1
+    assert rundir.data_fingerprint(a[:2000], a[2000:]) != rundir.data_fingerprint(b[:2000], b[2000:])
+
+
+def test_a_glob_one_folder_down_reads_into_the_cache(tmp_path):
+    (tmp_path / "texts").mkdir()
+    assert config.reads_into(f"{tmp_path}/texts/*/*.txt", str(tmp_path / "texts"))

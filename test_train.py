@@ -511,3 +511,26 @@ def test_an_unwritable_out_dir_is_found_by_writing(tmp_path):
     # os.access says yes to root even where nothing can be written (/proc): the check writes a probe file
     assert "cannot be created or written (/proc is not" in config.dir_problem("/proc/nope/run")
     assert config.dir_problem(str(tmp_path / "new" / "run")) is None and not list(tmp_path.iterdir())
+
+
+def test_evaluate_averages_the_same_blocks_every_time():
+    # held-out metrics are the mean over eval_batches (not their sum), on the same blocks at every evaluation,
+    # and the model is back in training mode after it
+    import contextlib
+    import numpy as np
+
+    class Alternating(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.batches = []
+
+        def forward(self, model, batch, rng):
+            self.batches.append(batch["input_ids"].clone())
+            return None, {"mlm_loss": torch.tensor(2.0 + len(self.batches) % 2)}  # 3, 2, 3, 2
+    loader = train.data.BlockLoader(np.arange(5000, dtype=np.int32), seq_len=16, batch_size=4, cls_id=2, sep_id=3)
+    objective, model, cfg = Alternating(), torch.nn.Linear(1, 1), config.TrainConfig(eval_batches=4)
+    first = train.evaluate(model, objective, loader, cfg, "cpu", contextlib.nullcontext())
+    second = train.evaluate(model, objective, loader, cfg, "cpu", contextlib.nullcontext())
+    assert first == second == {"val_mlm_loss": pytest.approx(2.5)}
+    assert all(torch.equal(x, y) for x, y in zip(objective.batches[:4], objective.batches[4:]))
+    assert model.training and objective.training
