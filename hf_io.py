@@ -359,11 +359,14 @@ def write_hf_dir(out_dir, state, hf_config, metadata, tokenizer_dir=None):
 
 
 def replace_atomic(path, write, tmp=None):
-    """write(tmp) then os.replace(tmp, path): a kill never leaves a partial `path`, and a failed write (a full
-    disk) removes its temporary file before the error goes on (a kill's is removed by the next run)."""
+    """write(tmp), fsync, then os.replace(tmp, path): a kill never leaves a partial `path`, nor does a power
+    cut (the data is on disk before the rename), and a failed write (a full disk) removes its temporary file
+    before the error goes on (a kill's is removed by the next run)."""
     tmp = tmp or path + ".tmp"
     try:
         write(tmp)
+        with open(tmp, "rb+") as f:  # rb+: Windows' fsync wants a writable handle; nothing is truncated
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         if os.path.isfile(tmp):

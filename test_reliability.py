@@ -427,6 +427,17 @@ def no_space(*_):
     raise OSError(errno.ENOSPC, "No space left on device")
 
 
+def test_an_atomic_write_is_on_disk_before_its_rename(tmp_path, monkeypatch):
+    # fsync before os.replace: after a power cut the old file or the new one, never an empty new one
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                 real_fsync(fd)))
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", str(a))), real_replace(a, b)))
+    hf_io.write_atomic(str(tmp_path / "config.json"), "{}")
+    assert events == [("fsync", str(tmp_path / "config.json.tmp")), ("replace", str(tmp_path / "config.json.tmp"))]
+
+
 def test_a_full_disk_anywhere_is_one_error_line_and_keeps_the_last_checkpoint(corpus, cache, tmp_path, capsys,
                                                                                monkeypatch):
     # a temporary file the disk could not hold is removed, and the file it was to replace is untouched
