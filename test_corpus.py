@@ -338,3 +338,16 @@ def test_the_corpus_key_sees_each_kind_of_replacement(tmp_path):
     assert key(base[:mid] + "X" + base[mid + 1:], stamp + 10**9) != k0  # a middle edit, a new mtime
     assert key(base[:mid] + "extra words" + base[mid:], stamp) != k0  # an insertion, the same mtime
     assert key(base[:-10] + "Z" * 9 + "\n", stamp) != k0  # a tail edit, the same size and mtime
+
+
+def test_a_vocabulary_over_65536_pieces_gets_uint32_tokens(tmp_path):
+    # ids past uint16 must not wrap (--vocab_size goes up to 1M, a given tokenizer may be that large)
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    words = data.SPECIAL_TOKENS + [f"w{i}" for i in range(70_000)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "a.txt").write_text("w69999 w3 w5 w69998\n")
+    _, stream, _ = data.prepare_data(str(tmp_path / "a.txt"), tmp_path / "cache",
+                                     tokenizer=str(tmp_path / "tokenizer.json"), val_fraction=0)
+    assert stream.dtype == np.uint32 and stream.tolist() == [70004, 8, 10, 70003]
