@@ -610,11 +610,12 @@ def run_analysis(args):
         results["models"][label] = {"path": path, "training_step": model.training_step, "max_len": max_len,
                                     **result}
         del model
-    plot_contextual(results, os.path.join(out, "analysis_contextual.png"))  # the names are PLOTS'
-    plot_self_similarity(results, os.path.join(out, "analysis_self_similarity.png"))
-    plot_heatmaps(raws, heatmap_sentence, os.path.join(out, "analysis_heatmap.png"))
-    plot_sentence_similarity(raws, os.path.join(out, "analysis_sentence_similarity.png"))
-    plot_word_similarity(results, raws, os.path.join(out, "analysis_word_similarity.png"))
+    png = lambda name: os.path.join(out, f"analysis_{name}.png")  # name: one of PLOTS
+    plot_contextual(results, png("contextual"))
+    plot_self_similarity(results, png("self_similarity"))
+    plot_heatmaps(raws, heatmap_sentence, png("heatmap"))
+    plot_sentence_similarity(raws, png("sentence_similarity"))
+    plot_word_similarity(results, raws, png("word_similarity"))
     _save_json(_finite(results), os.path.join(out, "analysis.json"))  # last: its presence means the whole analysis
     print_summary(results)
     print(f"wrote analysis.json and analysis_*.png to {out}")
