@@ -269,7 +269,9 @@ class TACO(nn.Module):
             g = upcast(g)
             pos_cos = (g * upcast(keys[positive])).sum(-1)  # (B, T)
             # = (g[:, :, None] * keys[negatives]).sum(-1), without that (B, T, K, D) tensor (3.4 GB at b256 s128)
-            neg_cos = NegativeDots.apply(g, keys, negatives, self.fused_scoring and g.is_cuda)  # (B, T, K)
+            # fused on CUDA while training only: held-out batches (other shapes) would compile it a second time
+            fused = self.fused_scoring and self.training and g.is_cuda
+            neg_cos = NegativeDots.apply(g, keys, negatives, fused)  # (B, T, K)
             # Eq. 7: f = cos / tau; Eq. 6: InfoNCE with the positive at index 0 (the paper prints it without exp)
             logits = torch.cat([pos_cos[..., None], neg_cos], dim=-1) / self.temperature
             # Eq. 8, as the official code: a mean over all anchors (the paper: per sequence, then over sequences;

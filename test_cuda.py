@@ -140,6 +140,23 @@ def test_fused_negative_scoring_matches_the_dense_gather(dtype, monkeypatch, tf3
         assert torch.allclose(got_targets_grad, targets_grad, atol=tol, rtol=tol)  # added up in the targets' dtype
 
 
+@pytest.mark.skipif(not CUDA, reason="TACO fuses its negative scoring on CUDA only")
+def test_taco_fuses_its_scoring_in_training_only(monkeypatch):
+    """With --compile on CUDA, TACO's training steps score negatives with the compiled kernel; held-out batches
+    (eval mode, another batch size) take the chunked path, so the kernel compiles once in a run, not twice."""
+    fused = []
+    monkeypatch.setattr(NegativeDots, "apply", lambda *args: fused.append(args[-1]) or dense_negative_dots(*args))
+    torch.manual_seed(0)
+    model = Bert(BertConfig(**TINY)).to(DEVICE)
+    objective = LOSSES["taco"](model, make_cfg(taco_negatives=7)).to(DEVICE)
+    batch, rng = {k: v.to(DEVICE) for k, v in make_batch().items()}, torch.Generator(DEVICE).manual_seed(1)
+    objective(model, batch, rng)
+    model.eval(), objective.eval()
+    with torch.no_grad():
+        objective(model, batch, rng)
+    assert fused == [True, False]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sampled_tokens_follow_the_softmax_on_device(dtype):
     """The generators' Gumbel-max sampler with a device generator: 200k draws match softmax within 5 standard errors."""
