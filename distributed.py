@@ -3,7 +3,8 @@
 The algorithm does not need this module: on one process it reduces to "cpu or cuda, fp32 or bf16". It
 guarantees (test_train.py's DDP, torchrun-SIGTERM and SIGKILL tests; test_reliability.py's signal tests):
 - torchrun's RANK / WORLD_SIZE / LOCAL_RANK give each process its GPU (NCCL) or a gloo CPU group;
-- a dead rank fails the others' next collective at once, a frozen one after DDP_TIMEOUT (never a hang),
+- a dead rank fails the others' next collective at once (one `error (rank N):` line each, by rundir.run_main),
+  a frozen one after DDP_TIMEOUT (never a hang),
   and the ranks that wait while rank 0 (or a node with its own --cache_dir) tokenizes a corpus wait up to
   DATA_TIMEOUT on their own group;
 - SIGINT / SIGTERM stop a run between two steps, never inside one, and every rank stops after the same
@@ -12,6 +13,7 @@ guarantees (test_train.py's DDP, torchrun-SIGTERM and SIGKILL tests; test_reliab
   along (Linux: they get SIGTERM and save).
 """
 import os
+import re
 import signal
 import sys
 from contextlib import nullcontext
@@ -86,6 +88,17 @@ def data_barrier(layout, who):
         dist.barrier(group=layout.data_group)
     except RuntimeError:  # that rank exited on bad input (its error line says why), or took over DATA_TIMEOUT
         raise ValueError(f"{who} (its error line says why), or took over {DATA_TIMEOUT}") from None
+
+
+def lost_peer(error):
+    """Whether `error` is a collective failing because another process of the run is gone (killed, out of
+    memory, a lost node): gloo raises a RuntimeError naming the peer, NCCL a DistError. Its first sentence."""
+    if int(os.environ.get("WORLD_SIZE", 1)) < 2 or not isinstance(error, RuntimeError):
+        return None
+    line = re.sub(r"^\[[^\]]*\]\s*", "", str(error).strip().split("\n")[0])  # gloo's [source.cc:537] prefix
+    if isinstance(error, dist.DistError) or "peer" in line.lower():
+        return line.split(". ")[0]
+    return None
 
 
 def wrap(layout, trainer):

@@ -26,6 +26,7 @@ import torch
 from safetensors import SafetensorError
 
 import data
+import distributed
 from config import RankError, TrainConfig, data_path, init_dir, parse_args, pooled, validate
 from hf_io import load_checkpoint_file, replace_atomic, write_atomic
 from model import Bert, BertConfig
@@ -71,6 +72,12 @@ def run_main(train, argv, usage):
         sys.exit(1)
     except OSError as e:  # the system failed a read or a write outside a save (a full disk, a lost mount)
         sys.stderr.write(f"error{f' (rank {rank})' if rank else ''}: {e}\n")
+        sys.exit(1)
+    except RuntimeError as e:  # another process of a torchrun job died: its own output says why
+        if not (peer := distributed.lost_peer(e)):
+            raise
+        sys.stderr.write(f"error (rank {rank}): lost another process of this run ({peer}); the last checkpoint "
+                         f"stands: rerun with --resume {cfg.out_dir}\n")
         sys.exit(1)
     except KeyboardInterrupt:  # before the training loop, which handles its own
         print("interrupted before training started: nothing was saved", file=sys.stderr)

@@ -479,6 +479,30 @@ def test_torchrun_sigterm_saves_then_resumes_on_one_process(corpus, tmp_path, ck
     assert max(x["step"] for x in records if "loss" in x) == step + 4
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="Linux /proc")
+def test_a_killed_rank_is_one_error_line_on_the_others(corpus, tmp_path):
+    # rank 0 killed (out of memory, a lost node): rank 1's next collective fails; it says so in one line, not gloo's
+    # traceback, and the checkpoint saved before stands
+    flags = dict(max_steps=100000, warmup_steps=5, log_interval=100000, ckpt_interval=5, eval_interval=100000)
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             "train.py", *map(str, common(corpus, tmp_path, out="ddp", **flags))], cwd=HERE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.time() + 180
+    while time.time() < deadline and not (tmp_path / "ddp" / "ckpt.pt").is_file():
+        time.sleep(0.05)
+    saved = torch.load(tmp_path / "ddp" / "ckpt.pt", weights_only=True)["step"]
+    workers = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    rank0 = next(pid for pid in workers if b"\0RANK=0\0" in b"\0" + Path(f"/proc/{pid}/environ").read_bytes())
+    os.kill(int(rank0), signal.SIGKILL)
+    _, err = proc.communicate(timeout=180)
+    assert proc.returncode != 0
+    assert f"error (rank 1): lost another process of this run" in err and f"--resume {tmp_path / 'ddp'}" in err, err
+    assert "[rank1]: Traceback" not in err, err[-3000:]
+    assert torch.load(tmp_path / "ddp" / "ckpt.pt", weights_only=True)["step"] >= saved > 0
+
+
 def test_held_out_draws_are_the_same_for_every_seed_and_objective():
     # one ruler for every run: held-out batch i is drawn from seed i, whatever --seed is and however many
     # draws the objective makes after its masks (TACO's negatives used to move the later batches' masks)
