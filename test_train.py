@@ -498,7 +498,7 @@ def test_a_killed_rank_is_one_error_line_on_the_others(corpus, tmp_path):
     os.kill(int(rank0), signal.SIGKILL)
     _, err = proc.communicate(timeout=180)
     assert proc.returncode != 0
-    assert f"error (rank 1): lost another process of this run" in err and f"--resume {tmp_path / 'ddp'}" in err, err
+    assert "error (rank 1): lost another process of this run" in err and f"--resume {tmp_path / 'ddp'}" in err, err
     assert "[rank1]: Traceback" not in err, err[-3000:]
     assert torch.load(tmp_path / "ddp" / "ckpt.pt", weights_only=True)["step"] >= saved > 0
 
