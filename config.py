@@ -418,9 +418,8 @@ def dir_problem(path):
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
     try:  # a real write, not os.access: root passes that check where /sys, /proc or a read-only mount refuse
-        fd, probe = tempfile.mkstemp(dir=parent, prefix=".write_probe")
-        os.close(fd)
-        os.remove(probe)
+        with tempfile.TemporaryFile(dir=parent):  # nameless on Linux (O_TMPFILE): a kill leaves no probe file
+            pass
     except OSError:
         return f"cannot be created or written ({parent} is not a writable directory)"
     return None
