@@ -11,6 +11,7 @@ test_bench.py's FLOP tests, test_train.py's log tests):
 """
 import os
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -84,6 +85,17 @@ class StepLog:
     def restart(self):  # tokens/s and the ETA count training steps only, not the step-0 evaluation
         self.t0 = self.t_log = time.time()
         self.tokens = 0
+
+    @contextmanager
+    def paused(self):
+        """An evaluation or a save inside the loop: its time stays out of the next record's tokens/s (MFU),
+        which would otherwise read a fraction of the training rate after each one. elapsed_s and the ETA
+        keep it: they are wall time, and evaluations and saves recur."""
+        start = time.time()
+        try:
+            yield
+        finally:
+            self.t_log += time.time() - start
 
     def elapsed(self):
         return self.trained_s + time.time() - self.t0

@@ -351,3 +351,22 @@ def test_a_vocabulary_over_65536_pieces_gets_uint32_tokens(tmp_path):
     _, stream, _ = data.prepare_data(str(tmp_path / "a.txt"), tmp_path / "cache",
                                      tokenizer=str(tmp_path / "tokenizer.json"), val_fraction=0)
     assert stream.dtype == np.uint32 and stream.tolist() == [70004, 8, 10, 70003]
+
+
+def test_blank_jsonl_rows_are_no_documents(tok_dir, tmp_path):
+    """A .jsonl row is a document, but one whose text is empty, whitespace or null holds none: it adds no
+    boundary, so two documents around it are one [SEP] apart (never two in a row), as a blank line between
+    the rows of the file is. (Read as an empty document it would double the [SEP] the token stream keeps
+    single, and a whitespace row would be a document of no tokens.)"""
+    lines = ['{"text": "the red cat sees a river ."}', "", '{"text": ""}', '{"text": "  \\n\\t "}', '{"text": null}',
+             "   ", '{"text": "a quiet engine moves ."}', '{"text": " "}']
+    (tmp_path / "a.jsonl").write_text("\n".join(lines) + "\n")
+    files = corpus.resolve_files(str(tmp_path / "a.jsonl"))
+    parts = corpus.load_corpus(str(tmp_path / "a.jsonl"), files, tmp_path / "cache")
+    assert [p for batch in corpus.pieces(parts) for p in batch] == [
+        "the red cat sees a river .", None, "a quiet engine moves ."]
+    tok, stream = _stream(tok_dir, tmp_path / "a.jsonl", tmp_path)
+    sep = data.special_token_ids(tok)["sep"]
+    assert (stream == sep).sum() == 1 and stream[0] != sep and stream[-1] != sep
+    (tmp_path / "clean.jsonl").write_text("".join(line + "\n" for line in lines if "river" in line or "engine" in line))
+    assert np.array_equal(_stream(tok_dir, tmp_path / "clean.jsonl", tmp_path)[1], stream)

@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -964,3 +963,151 @@ def test_the_data_fingerprint_sees_an_edit_that_keeps_the_token_count():
 def test_a_glob_one_folder_down_reads_into_the_cache(tmp_path):
     (tmp_path / "texts").mkdir()
     assert config.reads_into(f"{tmp_path}/texts/*/*.txt", str(tmp_path / "texts"))
+
+
+# ---- fp16 on a CPU: the GradScaler's state is part of the run
+
+class InfGradOn(losses.MLM):
+    """An infinite gradient (a finite loss) on the training calls in `calls`: fp16 overflows that the
+    GradScaler skips. Counted per training forward (one a step here), across a resume in this process."""
+    calls, on = 0, ()
+
+    def forward(self, model, batch, rng):
+        loss, metrics = super().forward(model, batch, rng)
+        if self.training:
+            InfGradOn.calls += 1
+            if InfGradOn.calls in InfGradOn.on:
+                loss = InfGrad.apply(loss)
+        return loss, metrics
+
+
+def test_an_fp16_run_killed_and_resumed_is_bit_identical_with_its_loss_scale(corpus, cache, tmp_path, capsys,
+                                                                               monkeypatch):
+    """Steps 3 and 4 overflow (skipped: the scale halves twice), and the scale grows back after every 4 good
+    steps, so at the step-10 checkpoint both the scale and the growth tracker are off their fresh values.
+    Killed right after that checkpoint and resumed, the run logs the same loss and loss_scale at every step
+    and ends on the same weights, scale and tracker as one that ran through: a resume that dropped the
+    scaler's state restarted at 65,536 and skipped or grew on other steps."""
+    real_scaler = torch.amp.GradScaler
+    monkeypatch.setattr(torch.amp, "GradScaler", lambda *a, **k: real_scaler(*a, growth_interval=4, **k))
+    monkeypatch.setitem(losses.LOSSES, "mlm", InfGradOn)
+    monkeypatch.setattr(InfGradOn, "on", (3, 4, 15))
+    args = dict(max_steps=20, dtype="fp16", log_interval=1, ckpt_interval=10)
+    monkeypatch.setattr(InfGradOn, "calls", 0)
+    code, _, err = run_main(flags(corpus, cache, tmp_path / "whole", **args), capsys)
+    assert code == 0, err
+
+    real_save = rundir.Run.save
+
+    def killed_after_step_10(self, step, elapsed_s):
+        real_save(self, step, elapsed_s)
+        if step == 10:
+            raise KeyboardInterrupt  # the process dies here: steps after 10 are not run
+    monkeypatch.setattr(InfGradOn, "calls", 0)
+    with monkeypatch.context() as mp:
+        mp.setattr(rundir.Run, "save", killed_after_step_10)
+        code, _, err = run_main(flags(corpus, cache, tmp_path / "split", **args), capsys)
+    assert code == 130, err
+    saved = hf_io.load_checkpoint_file(str(tmp_path / "split" / "ckpt.pt"))
+    assert saved["step"] == 10 and saved["scaler"]["scale"] != 2.0 ** 16 and saved["scaler"]["_growth_tracker"] > 0
+    code, out, err = run_main(["--resume", tmp_path / "split"], capsys)
+    assert code == 0 and "resumed from step 10" in out, err
+
+    logs = {}
+    for run_dir in ("whole", "split"):  # later lines win: the resumed segment's
+        logs[run_dir] = {r["step"]: (r["loss"], r["loss_scale"], r["lr"]) for r in read_log(tmp_path / run_dir)[1]
+                         if "loss" in r}
+    assert sorted(logs["whole"]) == list(range(1, 21))
+    assert logs["split"] == logs["whole"]
+    scales = [logs["whole"][s][1] for s in range(1, 21)]
+    assert scales[2] == scales[1] / 2 and scales[3] == scales[1] / 4 and max(scales[4:]) > scales[3]  # skips, growth
+    assert scales[10] != 2.0 ** 16  # step 11, the first after the resume, goes on from the checkpoint's scale
+    # a skipped step is a step: it moves the step count, the data and the learning-rate schedule
+    schedule = config.TrainConfig(lr=2e-3, warmup_steps=2, max_steps=20)
+    assert [logs["whole"][s][2] for s in range(1, 21)] == [train.lr_at(s - 1, schedule) for s in range(1, 21)]
+    a, b = (hf_io.load_checkpoint_file(str(tmp_path / d / "ckpt.pt")) for d in ("whole", "split"))
+    assert a["step"] == b["step"] == 20 and a["scaler"] == b["scaler"]
+    assert a["model"].keys() == b["model"].keys() and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+
+
+def test_tokens_per_s_counts_the_training_steps_only(corpus, cache, tmp_path, capsys, monkeypatch):
+    """monitor's clock is faked: a training step takes 1 s, an evaluation 1000 s, a save 500 s. Every record's
+    tokens_per_s is then one step's 256 tokens a second: the window restarts after the step-0 evaluation,
+    each record counts the tokens since the previous one, the evaluations and saves between two records
+    (the record after each read a fraction of the rate) and a resume's start-up stay out. elapsed_s is wall
+    time: it keeps the mid-run evaluations, and goes on from the checkpoint's across the resume."""
+    import monitor
+
+    class Clock:
+        now = 1e6
+
+        def time(self):
+            return self.now
+    clock = Clock()
+    monkeypatch.setattr(monitor, "time", clock)  # monitor's clock only
+    real_forward, real_evaluate, real_save = losses.MLM.forward, train.evaluate, rundir.Run.save
+
+    def forward(self, *a, **k):
+        clock.now += 1.0 if self.training else 0.0
+        return real_forward(self, *a, **k)
+
+    def evaluate(*a, **k):
+        clock.now += 1000.0
+        return real_evaluate(*a, **k)
+
+    def save(*a, **k):
+        clock.now += 500.0
+        return real_save(*a, **k)
+    monkeypatch.setattr(losses.MLM, "forward", forward)
+    monkeypatch.setattr(train, "evaluate", evaluate)
+    monkeypatch.setattr(rundir.Run, "save", save)
+    args = dict(max_steps=10, log_interval=2, eval_interval=4, ckpt_interval=10)
+    assert run_main(flags(corpus, cache, tmp_path / "run", **args), capsys)[0] == 0
+    clock.now += 1e5  # the process is gone a while, and the next one starts up
+    code, _, err = run_main(["--resume", tmp_path / "run", "--max_steps", 16], capsys)
+    assert code == 0, err
+    records = [r for r in read_log(tmp_path / "run")[1] if "tokens_per_s" in r]
+    assert [r["step"] for r in records] == list(range(2, 17, 2))
+    assert [r["tokens_per_s"] for r in records] == [256.0] * len(records)
+    # step 10's record comes before its evaluation; step 4's and 8's are in, step 0's is not. The checkpoint
+    # holds the time up to its own save (10 steps, 3 evaluations), the resume goes on from there
+    assert {r["step"]: r["elapsed_s"] for r in records if r["step"] in (10, 12, 16)} == {10: 2010.0, 12: 3012.0,
+                                                                                          16: 4016.0}
+
+
+@pytest.mark.skipif(os.name == "nt", reason="flock")
+def test_a_lock_file_deleted_by_its_leaving_holder_is_not_taken(tmp_path, monkeypatch):
+    """The race take_lock's samestat check closes: run B opens .lock while run A holds it; A leaves
+    (release_lock deletes .lock, then unlocks it) and run C creates a new .lock and locks that one; B's
+    flock then succeeds on A's deleted file. Without the check B would go on holding a lock nobody else
+    can see, beside C: two runs in one out_dir. With it, B sees the file at .lock is another, tries that
+    one, and is refused."""
+    import fcntl
+    out_dir = tmp_path / "run"
+    a = rundir.take_lock(str(out_dir))
+    real_flock, held = fcntl.flock, []
+
+    def a_leaves_and_c_comes(f, op):  # between B's open and B's flock
+        if not held:
+            held.append(None)  # once: C's own flock is the real one
+            rundir.release_lock(a)
+            held[0] = rundir.take_lock(str(out_dir))  # C
+        return real_flock(f, op)
+    monkeypatch.setattr(fcntl, "flock", a_leaves_and_c_comes)
+    with pytest.raises(ValueError, match="is in use by process"):
+        rundir.take_lock(str(out_dir))  # B
+    monkeypatch.undo()
+    c = held[0]
+    assert os.path.samestat(os.fstat(c.fileno()), os.stat(out_dir / ".lock"))  # C holds the file at .lock
+    rundir.release_lock(c)
+    # the holder gone and the file deleted just before B's flock: B locks a new file at .lock, which a D sees
+    a = rundir.take_lock(str(out_dir))
+    monkeypatch.setattr(fcntl, "flock", lambda f, op: (rundir.release_lock(a), real_flock(f, op))[1]
+                        if not a.closed else real_flock(f, op))
+    b = rundir.take_lock(str(out_dir))
+    monkeypatch.undo()
+    assert os.path.samestat(os.fstat(b.fileno()), os.stat(out_dir / ".lock"))
+    with pytest.raises(ValueError, match="is in use by process"):
+        rundir.take_lock(str(out_dir))  # D
+    rundir.release_lock(b)
+    assert not (out_dir / ".lock").exists()

@@ -210,10 +210,11 @@ def train(cfg, ckpt=None):
                     run.log(record)
                     if master:
                         print(meter.line(record), flush=True)
-                if step % cfg.eval_interval == 0 or step == cfg.max_steps:
-                    run_eval(step)
-                if step % cfg.ckpt_interval == 0 or step == cfg.max_steps:
-                    save(step)
+                with meter.paused():  # tokens/s counts the training steps only
+                    if step % cfg.eval_interval == 0 or step == cfg.max_steps:
+                        run_eval(step)
+                    if step % cfg.ckpt_interval == 0 or step == cfg.max_steps:
+                        save(step)
             if stop.received and step > run.saved_step:  # between two steps: every rank holds the weights of `step`
                 save(step)
     except KeyboardInterrupt:  # a second signal, mid-step: the last checkpoint stands
