@@ -292,13 +292,34 @@ def _distinct_pair_mean(sim):
 RUN_IN_HEADING = re.compile(r"(?:^|(?<=[.!?] ))(?:(=(?: =)*) [^=]+? \1(?: |$))+")  # as many = each side
 
 
+# a period after one of these (or after one letter: an initial, "e. g.", "u. s.") does not end a sentence
+ABBREVIATIONS = frozenset("al approx ca capt cf ch col dr ed eds fig figs gen jr lt mr mrs mt no nos op pp prof "
+                          "rev sgt sr st vol vols vs jan feb aug sept oct nov dec".split())
+
+
+def _ends_sentence(before, after):
+    """Whether a candidate break after `before` (ending in . ! or ?) is a sentence end; `after` follows it."""
+    if not before.endswith("."):
+        return True
+    word = re.search(r"([^\s.(\[\"']*)\.$", before).group(1).lower()
+    if (len(word) == 1 and word.isalpha()) or word in ABBREVIATIONS:
+        return False
+    return not (word.isdigit() and after[:1].isdigit())  # "3. 4": a decimal point, as an uncased decoder spaces it
+
+
 def split_sentences(text):
     """Cheap sentence splitter for WikiText-style prose (undoes its @-@ escapes, raw " @-@ " or decoded
     " @ - @ ", and drops headings): a new sentence starts after . ! or ? and a capital (any letter in
-    lowercased text)."""
+    lowercased text), but not after an initial, an abbreviation (ABBREVIATIONS) or a decoded decimal point."""
     text = RUN_IN_HEADING.sub("\n", re.sub(r" ?@ ?([-,.]) ?@ ?", r"\1", text))
     starts = "A-Z" if text != text.lower() else "a-z0-9"  # text decoded by an uncased tokenizer
-    return [s.strip() for s in re.split(rf"(?<=[.!?])\s+(?=[{starts}\"'(\[])|\n", text) if s.strip()]
+    pieces, start = [], 0
+    for m in re.finditer(rf"(?<=[.!?])\s+(?=[{starts}\"'(\[])|\n", text):
+        if "\n" in m.group() or _ends_sentence(text[start:m.start()], text[m.end():]):
+            pieces.append(text[start:m.start()])
+            start = m.end()
+    pieces.append(text[start:])
+    return [s.strip() for s in pieces if s.strip()]
 
 
 def load_sentences(documents, num_sentences, seed=0, min_words=5):

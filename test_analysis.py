@@ -538,6 +538,18 @@ def test_decoded_wikitext_loses_its_escapes_and_run_in_headings():
     assert A.split_sentences(raw) == ["He had a guest-starring role .", "It cost 1,000 pounds ."]
 
 
+def test_initials_abbreviations_and_decoded_decimals_do_not_end_a_sentence():
+    # a validation split decoded by an uncased tokenizer spaces every period: "u. s.", "e. g.", "3. 4"; before the
+    # fix 12% of the sentences sampled from decoded enwiki were such fragments ("s. government gave ...")
+    decoded = ("the u. s. government gave usd 250 million in 1995. it grew by 3. 4 %, e. g. in st. louis. "
+               "john m. smith ( smith et al. 2001 ) agreed. 2001 was dry.")
+    assert A.split_sentences(decoded) == [
+        "the u. s. government gave usd 250 million in 1995.", "it grew by 3. 4 %, e. g. in st. louis.",
+        "john m. smith ( smith et al. 2001 ) agreed.", "2001 was dry."]
+    cased = "Dr. Smith met John F. Kennedy in St. Louis. They talked. It ended ."
+    assert A.split_sentences(cased) == ["Dr. Smith met John F. Kennedy in St. Louis.", "They talked.", "It ended ."]
+
+
 def test_held_out_text_falls_back_to_the_sample_corpus(tmp_path, monkeypatch):
     import lzma
     sample = tmp_path / "sample.raw.xz"

@@ -13,7 +13,7 @@ Files in cache_dir (their names are part of the format: existing caches stay val
   key = the data files (path, size, mtime) or the hub name, FORMAT_VERSION and the tokenizer's JSON;
 - tokenizer-<corpus key>-<vocab_size>/, the tokenizer trained on the corpus when no --tokenizer is given;
 - .NAME.lock, the lock for NAME; NAME.tmpPID, what a writer writes before the rename.
-On 2 cores, enwiki AA.txt.xz (100 MB, 21.6M tokens): 5 s load + 23 s tokenizer training + 35 s
+On 2 cores, enwiki AA.txt.xz (100 MB, 21.3M tokens): 5 s load + 23 s tokenizer training + 35 s
 tokenization. Tokenizers' parallel encode_batch_fast was as fast as datasets.map(num_proc=2) (34 s vs 37 s)
 without forking or a second arrow cache.
 
