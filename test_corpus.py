@@ -163,6 +163,22 @@ def test_unreachable_hub_dataset_is_one_clear_error(tok_dir, tmp_path, monkeypat
     assert data.SAMPLE_CORPUS in str(info.value) and "\n" not in str(info.value)
 
 
+def test_hub_corpora_read_as_lines_or_documents(tok_dir, tmp_path, monkeypatch):
+    # offline stand-ins for the hub: WikiText's rows are lines (an article starts at a " = Title = " heading
+    # after a blank row; " = = Section = = " does not); any other hub corpus has one document per row
+    import datasets
+    rows = {"Salesforce/wikitext": ["", " = Alpha = ", "", f" {_paragraph(1)} ", "", " = = Beta = = ", "",
+                                    f" {_paragraph(2)} ", "", " = Gamma = ", "", f" {_paragraph(3)} "],
+            "wikimedia/wikipedia": [f"Alpha\n\n{_paragraph(1)}", "", f"Gamma\n\n{_paragraph(3)}"]}
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, config=None, **kwargs: datasets.Dataset.from_dict(
+        {"text": rows[name], "id": list(range(len(rows[name])))}))
+    for name in ("Salesforce/wikitext:wikitext-103-raw-v1", data.HUB_CORPUS):
+        tok, stream = _stream(tok_dir, name, tmp_path)
+        decoded = tok.decode(stream.tolist(), skip_special_tokens=False)  # a heading's "=" is [UNK] here
+        docs = [[w for w in d.split() if w.isalpha()] for d in decoded.split("[SEP]")]
+        assert [d[0] for d in docs] == ["alpha", "gamma"] and ("beta" in docs[0]) == ("wikitext" in name), name
+
+
 UNREADABLE = {  # file name -> (bytes, words the one-line error must contain)
     "latin1.txt": ("café au lait\n".encode("latin-1"), "not UTF-8"),
     "image.txt": (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(range(256)), "not UTF-8"),
