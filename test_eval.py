@@ -783,13 +783,13 @@ def test_an_unwritable_model_directory_is_refused_before_fine_tuning(tmp_path, t
     # the default --out is the model's directory; read-only (root ignores modes, so a failing write stands in),
     # GLUE used to fine-tune every task and then fail on glue.json
     import config
-    real_mkstemp = config.tempfile.mkstemp
+    real_temporary_file = config.tempfile.TemporaryFile
 
-    def mkstemp(dir, **kw):
+    def temporary_file(dir, **kw):  # config.dir_problem's write probe
         if os.path.samefile(dir, tiny_model_dir):
             raise PermissionError(13, "Permission denied", dir)
-        return real_mkstemp(dir=dir, **kw)
-    monkeypatch.setattr(config.tempfile, "mkstemp", mkstemp)
+        return real_temporary_file(dir=dir, **kw)
+    monkeypatch.setattr(config.tempfile, "TemporaryFile", temporary_file)
     monkeypatch.setattr(ev, "finetune", lambda *a, **k: pytest.fail("fine-tuned before the check"))
     err = run_main_error(["--model", str(tiny_model_dir), "--glue_dir", str(write_glue(tmp_path / "glue")),
                           "--tasks", "rte"], capsys)
