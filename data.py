@@ -38,7 +38,7 @@ SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 # distributed, so the hub default is English Wikipedia alone ("name:config" for load_dataset; fidelity note 2).
 HUB_CORPUS = "wikimedia/wikipedia:20231101.en"
 DEFAULT_DATA = SAMPLE_CORPUS  # WikiText-2's test split in assets/: smoke runs and tests need no network
-VAL_MIN_TOKENS = 16384  # 32 rows at seq_len 514, 128 at the smoke preset's 128
+VAL_MIN_TOKENS = 16384  # 32 blocks at seq_len 512, 130 at the smoke preset's 128 (each holds seq_len - 2)
 LIMIT_ALPHABET = 1000  # as HF's BertWordPieceTokenizer: rarer characters map to [UNK]
 
 # ----------------------------------------------------------------------------- batches

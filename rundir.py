@@ -316,6 +316,16 @@ def start_weights(cfg, master):
     return init_model
 
 
+def load_start_weights(model, init_model, ckpt):
+    """--init_from's weights into a new model. A start model's pooler (a Hugging Face BERT's, or one carried by
+    an earlier run) rides along unchanged into the export: nothing here trains it (fidelity note 37)."""
+    if "pooler.weight" in (init_model.state_dict() if init_model else ckpt["model"] if ckpt else {}):
+        size = model.config.hidden_size
+        model.pooler = torch.nn.Linear(size, size).requires_grad_(False)
+    if init_model:
+        model.load_state_dict(init_model.state_dict())
+
+
 def run_tokenizer(cfg, ckpt):
     """A resumed run reads its own vocabulary from its directory, never the cache's or a newly trained one."""
     if not ckpt:

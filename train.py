@@ -97,12 +97,15 @@ def main(argv=None):
 
 
 def train(cfg, ckpt=None):
-    """The run. Returns 0, or 128 + the signal number when SIGINT / SIGTERM stopped it."""
+    """The run. cfg: the checked flags (config.TrainConfig), which rundir.run_main parsed, with --resume's
+    checkpoint as ckpt, after locking out_dir. Returns 0, or 128 + the signal number when SIGINT / SIGTERM
+    stopped it."""
     layout = distributed.setup(cfg)  # torchrun's RANK / WORLD_SIZE / LOCAL_RANK, or one process
     device, master = layout.device, layout.master
     torch.manual_seed(cfg.seed)  # the initial weights (DDP broadcasts rank 0's anyway)
     if layout.device_type == "cuda":  # TF32 matmuls: process-wide state, so set only where it acts
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    # --init_from's model; its directory's tokenizer becomes cfg.tokenizer (the vocabulary its weights know)
     init_model = rundir.start_weights(cfg, master) if cfg.init_from and not ckpt else None
     max_pos = (init_model.config if init_model else BertConfig).max_position_embeddings
     if cfg.seq_len > max_pos:
@@ -121,7 +124,7 @@ def train(cfg, ckpt=None):
     train_loader = data.BlockLoader(train_tokens, batch_size=cfg.batch_size, rank=layout.rank,
                                     world_size=layout.world, seed=cfg.seed, **loader_args)
     # the held-out set must not follow the per-process batch (lowered by the process count): a fixed row
-    # count, the negative pool where there is one, so TACO's held-out negatives match training's
+    # count, the negative pool where there is one (TACO's held-out negatives then match training's), else 16
     try:
         val_loader = data.BlockLoader(val_tokens, batch_size=cfg.negative_pool or 16, seed=0, **loader_args)
     except ValueError as e:
@@ -132,11 +135,7 @@ def train(cfg, ckpt=None):
                        **{f"{k}_token_id": v for k, v in special.items()})  # a new model's shape
     model_config = rundir.model_config_for(cfg, ckpt, init_model, fresh, special)  # or a resume's / --init_from's
     model = Bert(model_config)
-    if "pooler.weight" in (init_model.state_dict() if init_model else ckpt["model"] if ckpt else {}):
-        # a start model's pooler rides along unchanged into the export: nothing here trains it (fidelity note 37)
-        model.pooler = torch.nn.Linear(model_config.hidden_size, model_config.hidden_size).requires_grad_(False)
-    if init_model:
-        model.load_state_dict(init_model.state_dict())
+    rundir.load_start_weights(model, init_model, ckpt)  # --init_from's weights (a resume's come in run.restore)
     model.to(device)
     objective = LOSSES[cfg.objective](model, cfg).to(device)
     params = list(model.parameters()) + [p for p in objective.parameters() if p.requires_grad]
