@@ -55,7 +55,7 @@ class TrainConfig:
     taco_window: int = 5  # W (odd): positives within +-W//2 (TACO App. A, official scripts)
     taco_negatives: int = 50  # K negatives per anchor (TACO App. A)
     taco_temperature: float = 0.07  # tau (TACO App. A)
-    taco_weight: float = 1.0  # lambda in L_MLM + lambda * L_TC (TACO Eq. 11)
+    taco_weight: float = 1.0  # lambda in L_MLM + lambda * L_TC (TACO Eq. 11 adds the two unweighted: 1)
     taco_anchors: str = "all"  # all non-pad positions (official default) | masked ("concentrated TACO", §5.2)
     taco_stop_grad: bool = True  # detach positives/negatives (official code); False = our ablation, not the paper's
     negative_pool: int = 0  # sequences sharing one pool of negatives (TACO rows, COCO-LM NT-Xent); 0 = the per-process micro-batch (fidelity note 4)

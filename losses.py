@@ -161,7 +161,8 @@ def pool_size(negative_pool, batch_size, minimum=1):
 
 class MLM(nn.Module):
     """Masked language modelling (Devlin et al., 2019; RoBERTa's dynamic masking, no NSP: fidelity note 5):
-    L_MLM = mean over the selected 15% of CE(head(h_i), x_i). Nothing is detached."""
+    L_MLM = mean over the selected 15% of CE(model.head(h_i), x_i), where model.head is the transform (dense,
+    GELU, LayerNorm) then the tied decoder E + b. Nothing is detached."""
 
     def __init__(self, model, cfg):
         super().__init__()
