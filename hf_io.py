@@ -10,7 +10,8 @@ What it guarantees:
 - Every file is written atomically (a temporary file, then os.replace): a kill never leaves a partial file.
 - Loading a checkpoint never runs code from it: weights come through safetensors or
   torch.load(weights_only=True) (torch >= 2.6); a file holding any other Python object is refused.
-- A bad file, config or weight is one ValueError that names the file and the problem.
+- A bad file, config or weight is one ValueError that names the file and the problem (check_config: every
+  field of a BertConfig, wherever one is made).
 
 Tests that hold it to this: test_hf_io.py (directories in and out, the error for each bad file, pickles
 refused on an unsafe torch), test_model.py (logits against transformers through from_pretrained), and in
@@ -18,6 +19,7 @@ test_reliability.py test_a_pickle_payload_is_refused_and_never_runs and
 test_kill_between_checkpoint_and_export_leaves_a_loadable_run (a kill between the export's files).
 """
 import json
+import math
 import os
 import re
 from dataclasses import fields
@@ -29,6 +31,28 @@ import torch.nn as nn
 
 # ----------------------------------------------------------------------------------
 # Bert's Hugging Face methods (model.py calls these)
+
+def check_config(config):
+    """Every field of a BertConfig checked (model.py calls this): a corrupt config.json or checkpoint is one clear
+    ValueError, not a crash in a layer. Floats are made floats (config.json's "dropout": 0)."""
+    for f in fields(config):
+        v = getattr(config, f.name)
+        if f.type is int:
+            least = 0 if f.name.endswith("_id") else 1
+            ok, allowed = type(v) is int and v >= least, f"an integer >= {least}"
+        else:  # a float; NaN fails every comparison
+            top = 1 if f.name == "dropout" else math.inf
+            ok, allowed = type(v) in (int, float) and 0 <= v < top, f"a number in [0, {top})"
+        if not ok:
+            raise ValueError(f"model config: {f.name} = {v!r}, expected {allowed}")
+        if f.type is float:
+            setattr(config, f.name, float(v))  # config.json's "dropout": 0 is a float from here on
+    if config.hidden_size % config.num_heads:
+        raise ValueError(f"model config: hidden_size {config.hidden_size} is not a multiple of num_heads {config.num_heads}")
+    for name in [f.name for f in fields(config) if f.name.endswith("_token_id")]:
+        if getattr(config, name) >= config.vocab_size:  # an IndexError in the embedding otherwise
+            raise ValueError(f"model config: {name} = {getattr(config, name)}, must be < vocab_size {config.vocab_size}")
+
 
 def from_pretrained(cls, path, mlm_head=True):
     """Load a Hugging Face BERT directory (BertForMaskedLM or BertModel weights, in

@@ -18,7 +18,7 @@ The gains of SDPA, the fused QKV and the padding have not been measured one by o
 "Efficiency notes"); bench.py measures the whole step against Hugging Face's.
 """
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -46,25 +46,8 @@ class BertConfig:
     sep_token_id: int = 3  # [SEP]: ends each segment
     mask_token_id: int = 4  # [MASK]: what most MLM targets are replaced with
 
-    def __post_init__(self):
-        """Every field checked: a corrupt config.json or checkpoint is one clear ValueError, not a crash in a layer."""
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if f.type is int:
-                least = 0 if f.name.endswith("_id") else 1
-                ok, allowed = type(v) is int and v >= least, f"an integer >= {least}"
-            else:  # a float; NaN fails every comparison
-                top = 1 if f.name == "dropout" else math.inf
-                ok, allowed = type(v) in (int, float) and 0 <= v < top, f"a number in [0, {top})"
-            if not ok:
-                raise ValueError(f"model config: {f.name} = {v!r}, expected {allowed}")
-            if f.type is float:
-                setattr(self, f.name, float(v))  # config.json's "dropout": 0 is a float from here on
-        if self.hidden_size % self.num_heads:
-            raise ValueError(f"model config: hidden_size {self.hidden_size} is not a multiple of num_heads {self.num_heads}")
-        for name in [f.name for f in fields(self) if f.name.endswith("_token_id")]:
-            if getattr(self, name) >= self.vocab_size:  # an IndexError in the embedding otherwise
-                raise ValueError(f"model config: {name} = {getattr(self, name)}, must be < vocab_size {self.vocab_size}")
+    def __post_init__(self):  # every field checked: a corrupt config.json is one clear ValueError, not a crash
+        hf_io.check_config(self)
 
     @property
     def padded_vocab_size(self):
