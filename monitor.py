@@ -135,7 +135,8 @@ def print_plan(cfg, model, layout, dtype, grad_accum, train_loader, num_train_to
     epochs = cfg.max_steps * (cfg.tokens_per_step // cfg.seq_len) / train_loader.num_blocks
     size = f"{num_train_tokens / 1e6:.1f}M" if num_train_tokens >= 1e6 else f"{num_train_tokens / 1e3:.0f}k"
     print(f"this run reads the {size}-token training split {epochs:.2f} times (epochs): "
-          f"{cfg.max_steps:,} steps x {cfg.tokens_per_step:,} tokens")
+          f"{cfg.max_steps:,} steps x {cfg.tokens_per_step // cfg.seq_len:,} blocks of {cfg.seq_len - 2} text tokens "
+          f"(+ [CLS], [SEP])")
 
 
 def duration(seconds):
