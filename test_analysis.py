@@ -123,6 +123,12 @@ def test_context_similarity_matches_loop():
     assert stats["contextual"] == pytest.approx(stats["cos_intra"] - stats["cos_inter"], abs=1e-6)
 
 
+def test_a_single_context_has_no_score():
+    # no other sentence, no inter partner: nothing to measure (NaN, 0 tokens), not a partner made up
+    stats = A.context_similarity(torch.randn(6, 4), torch.zeros(6, dtype=torch.long), torch.Generator().manual_seed(0))
+    assert stats["num_tokens"] == 0 and math.isnan(stats["contextual"]) and math.isnan(stats["cos_ratio"])
+
+
 def test_table9_ratios_read_the_paper_way_round():
     # tokens = their sentence's centre + noise: a contextual model. Table 9's MLM rows have
     # distance ratios < 1 (0.77-0.98) and similarity ratios > 1 (1.09-3.59); so must ours.
@@ -233,6 +239,9 @@ def test_cooc_pairs_and_wordsim_similarity(tok, tmp_path):
     chosen = {frozenset((a.lower(), b.lower())) for a, b, _, _ in pairs}
     allowed = {frozenset(p) for p in related} | {frozenset(("money", "cash"))}
     assert len(chosen) == 20 and chosen <= allowed  # no tiger/tiger, no pieces, no duplicate, no score < 7.5
+    exactly = tmp_path / "ws20.csv"  # 20 candidates, all at the threshold (7.5 counts): each of them is drawn
+    exactly.write_text("\n".join(lines[:1] + [f"{a},{b},7.50" for a, b in related[:20]]) + "\n")
+    assert {frozenset((a, b)) for a, b, _, _ in A.cooc_pairs(tok, str(exactly))} == {frozenset(p) for p in related[:20]}
     model = tiny_bert(tok.get_vocab_size())
     weight = model.embeddings.word.weight.tolist()
     expected = np.mean([cos(weight[i], weight[j]) for _, _, i, j in pairs])
@@ -240,6 +249,31 @@ def test_cooc_pairs_and_wordsim_similarity(tok, tmp_path):
     assert A.wordsim_similarity(model, tok, str(tmp_path / "missing.csv")) is None
     assert A.wordsim_similarity(model, tok, None) is None
     assert A.wordsim_similarity(model, tok) is not None  # the embedded WordSim353, as train.py calls it
+
+
+class WholeWords:
+    """A tokenizer that keeps every word as one token."""
+
+    def __init__(self):
+        self.vocab = {"[UNK]": 1}
+
+    def encode(self, text, add_special_tokens=False):
+        return SimpleNamespace(ids=[self.vocab.setdefault(text.lower(), len(self.vocab) + 1)])
+
+    def token_to_id(self, token):
+        return self.vocab.get(token)
+
+
+def test_cooc_pairs_are_a_seeded_draw_not_the_files_first():
+    # A.3: "20 randomly sampled pairs": with every word whole, 20 of the 91 candidates, the same 20 each time
+    candidates = []
+    for a, b, score in A.read_word_pairs(A.WORDSIM353):
+        key = frozenset((a.lower(), b.lower()))
+        if score >= 7.5 and len(key) == 2 and key not in candidates:
+            candidates.append(key)
+    drawn = [frozenset((a.lower(), b.lower())) for a, b, _, _ in A.cooc_pairs(WholeWords())]
+    assert len(set(drawn)) == 20 and set(drawn) <= set(candidates) and set(drawn) != set(candidates[:20])
+    assert [frozenset((a.lower(), b.lower())) for a, b, _, _ in A.cooc_pairs(WholeWords())] == drawn
 
 
 def test_embedded_word_similarity_assets():
@@ -270,6 +304,9 @@ def test_encode_matches_unpadded_loop(tok):
         sims.append([A.sentence_self_similarity(h[:, 1:-1], torch.ones(1, len(ids) - 2, dtype=torch.bool))[0].item()
                      for h in layers])
     assert enc["self_similarity"] == pytest.approx(np.mean(sims, axis=0).tolist(), abs=1e-5)
+    # a one-token sentence has no pair: it leaves the mean over sentences as it is
+    one_word = A.encode(model, sequences + A.tokenize(tok, ["tiger"], max_len=64), pad_id=0)
+    assert one_word["self_similarity"] == pytest.approx(enc["self_similarity"], abs=1e-6)
 
 
 # ----------------------------------------------------------------------------------
@@ -639,3 +676,59 @@ def test_an_earlier_analysis_moves_aside_unless_redone(tok, tmp_path, monkeypatc
     assert json.loads((out / "analysis.json").read_text())["seed"] == 1
     names = analyse([b], 1)  # a model of the earlier one is missing: set aside too
     assert "analysis.2.json" in names and "analysis_word_similarity.2.png" in names
+
+
+# ----------------------------------------------------------------------------------
+# sentence similarity, word similarity and seeds of analyze_model, against explicit references
+
+
+def last_states(model, tok, sentence):
+    """Last-layer states of [CLS] sentence [SEP] run alone."""
+    ids = [CLS] + tok.encode(sentence, add_special_tokens=False).ids + [SEP]
+    with torch.no_grad():
+        return model(torch.tensor([ids]))[0]
+
+
+def test_sentence_pair_similarity_matches_loop(tok):
+    # COCO-LM Fig. 1: the STS-B pairs scored 5.0 (not 4.8), [CLS] and mean over the non-special tokens
+    model = tiny_bert(tok.get_vocab_size()).eval()
+    s = make_text(6, seed=3)
+    rows = [(s[0], s[1], 5.0), (s[2], s[3], 4.8), (s[4], s[5], 5.0)]
+    out = A.sentence_pair_similarity(model, tok, rows, 128, "cpu")
+    assert out["num_similar_pairs"] == 2
+    h = {i: last_states(model, tok, s[i]) for i in (0, 1, 4, 5)}
+    assert out["cls_similar"] == pytest.approx([cos(h[a][0].tolist(), h[b][0].tolist()) for a, b in ((0, 1), (4, 5))],
+                                               abs=1e-5)
+    assert out["mean_similar"] == pytest.approx([cos(h[a][1:-1].mean(0).tolist(), h[b][1:-1].mean(0).tolist())
+                                                 for a, b in ((0, 1), (4, 5))], abs=1e-5)
+
+
+def test_random_sentence_pairs_are_two_distinct_sentences():
+    g = torch.Generator().manual_seed(0)
+    enc = dict(cls=torch.randn(2, 4, generator=g), mean=torch.randn(2, 4, generator=g))
+    out = A.random_sentence_pairs(enc, 50)
+    for pooling in ("cls", "mean"):  # with two sentences every pair is the two of them, never one with itself
+        assert out[f"{pooling}_random"] == pytest.approx([cos(*enc[pooling].tolist())] * 50, abs=1e-6)
+
+
+def test_analyze_model_word_scores_heatmap_and_seeds(tok):
+    model = tiny_bert(tok.get_vocab_size()).eval()
+    sentences = A.load_sentences(make_text(20), 1000)
+    result, raw = A.analyze_model(model, tok, sentences, 64, "cpu", 0, None, sentences[0])
+    weight = model.embeddings.word.weight.tolist()
+    for name, path in (("wordsim353", A.WORDSIM353), ("simlex999", A.SIMLEX999)):
+        pairs = [(a, b, score) for a, b, score in A.read_word_pairs(path)
+                 if A.single_token_id(tok, a) is not None and A.single_token_id(tok, b) is not None]
+        cosines = [cos(weight[A.single_token_id(tok, a)], weight[A.single_token_id(tok, b)]) for a, b, _ in pairs]
+        assert result[name]["spearman"] == pytest.approx(A.spearman(cosines, [score for _, _, score in pairs]), abs=1e-6)
+        distinct = [c for c, (a, b, _) in zip(cosines, pairs) if a.lower() != b.lower()]  # tiger/tiger: 1 by construction
+        assert result[name]["mean_cos"] == pytest.approx(np.mean(distinct), abs=1e-6)
+    pieces = tok.encode(sentences[0], add_special_tokens=False).ids  # TaCL's heatmap: no [CLS]/[SEP]
+    assert raw["heatmap_tokens"] == [tok.id_to_token(i) for i in pieces] and raw["heatmap"].shape == (len(pieces),) * 2
+    # --analysis_seed draws the partners and the random sentence pairs
+    other, _ = A.analyze_model(model, tok, sentences, 64, "cpu", 1, None, sentences[0])
+    assert other["contextual"]["intra"] != result["contextual"]["intra"]
+    assert other["sentence_similarity"]["cls_random"] != result["sentence_similarity"]["cls_random"]
+    assert other["num_tokens"] == result["num_tokens"] and other["wordsim353"] == result["wordsim353"]
+    # and the held-out sentences
+    assert A.load_sentences(make_text(200), 20, seed=1) != A.load_sentences(make_text(200), 20, seed=0)

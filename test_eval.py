@@ -115,6 +115,8 @@ def test_real_glue_tsvs(name):
 def test_real_glue_quirks():
     mrpc = glue_tasks.load_task(glue_tasks.TASKS["mrpc"], str(GLUE_DIR))["dev"][""]
     assert mrpc[0]["text_b"].startswith('" The foodservice')  # a bare quote survives (quoting off)
+    qnli = glue_tasks.read_tsv(str(GLUE_DIR / "QNLI" / "dev.tsv"), glue_tasks.TASKS["qnli"])
+    assert sum(q.endswith("?") for q in qnli["text_a"]) > 0.95 * len(qnli)  # sentence A is the question (run_glue)
     with pytest.raises(glue_tasks.TaskMissing, match="train.tsv"):  # QNLI has a dev set only here
         glue_tasks.load_task(glue_tasks.TASKS["qnli"], str(GLUE_DIR))
     with pytest.raises(glue_tasks.TaskMissing):
@@ -161,6 +163,12 @@ def test_pair_truncation_matches_tokenizers(tokenizer_dir):
             assert enc.input_ids[i].tolist() == e.ids
             types = [int(t >= enc.segment_b[i]) for t in range(enc.lengths[i])]
             assert types == e.type_ids
+        # a single sentence: [CLS] A [SEP] cut to max_len, every token of type 0
+        single = ev.encode_task(Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")),
+                                Dataset.from_dict(dict(text_a=a, label=[0] * 40)), max_len, 2, 3)
+        for i, e in enumerate(ref.encode_batch(a)):
+            assert single.input_ids[i].tolist() == e.ids
+            assert [int(t >= single.segment_b[i]) for t in range(single.lengths[i])] == e.type_ids
 
 
 def test_batches_and_collate():
@@ -191,6 +199,7 @@ def test_glue_model_pooler_and_dropout():
     assert fresh.bert.pooler is not None and fresh.classifier.out_features == 1
     # a checkpoint pretrained without dropout still fine-tunes with it, attention probabilities included
     assert model.bert.encoder.layers[0].attn.dropout == 0.1 and model.bert.embeddings.drop.p == 0.1
+    assert model.drop.p == 0.1  # and the classifier head's (BertForSequenceClassification's classifier dropout)
     # and so does one whose config.json says 0, an integer
     from_int = ev.GlueModel(Bert(BertConfig(**{**asdict(cfg), "dropout": 0})), 1, dropout=0.1)
     assert from_int.bert.encoder.layers[0].attn.dropout == 0.1
@@ -321,6 +330,12 @@ def test_max_samples_and_default_out(tmp_path, tiny_model_dir, capsys, monkeypat
     assert out.count("warm-up steps shrink") == 1
 
 
+def test_a_subset_is_a_fixed_random_draw_not_the_first_rows():
+    ds = datasets.Dataset.from_dict({"label": list(range(100))})  # CoLA's train rows are sorted by source
+    rows = ev.subset(ds, 10)["label"]
+    assert len(set(rows)) == 10 and rows != list(range(10)) and ev.subset(ds, 10)["label"] == rows
+
+
 def test_save_model_writes_the_best_run_once(tmp_path, tiny_model_dir, monkeypatch):
     glue = write_glue(tmp_path / "glue")
     trained, saved = [], []
@@ -371,11 +386,15 @@ def test_recipes_match_the_paper(name):
     for c in combos:
         assert c["lr"] in LR8 and c["batch_size"] in batches and c["epochs"] in epochs and c["warmup"] in warmups
         assert {k: c[k] for k in table6} == table6
+    assert {k: set(v) for k, v in ev.BASE_GRID[name].items()} == dict(lr=LR8, batch_size=batches, epochs=epochs,
+                                                                       warmup=warmups)  # the whole grid, no value lost
     assert ev.recipe_runs(task, "paper", "base") == combos  # seeded: the same draw every time
     assert ev.recipe_runs(task, "paper", "base", grid_seed=1) != combos
     assert ev.recipe_runs(task, "paper", "base", {"lr": 1e-4})[3]["lr"] == 1e-4  # a flag wins in every run
     (uniform,) = ev.recipe_runs(task, "uniform", "base")
     assert (uniform["lr"], uniform["batch_size"], uniform["epochs"], uniform["precision"]) == (3e-5, 32, 6, "fp32")
+    (uniform,) = ev.recipe_runs(task, "uniform", "small")  # finetune_small.sh
+    assert (uniform["lr"], uniform["batch_size"], uniform["epochs"], uniform["warmup"]) == (5e-5, 32, 4, 100)
     # ours, for briefly pretrained models: one recipe for every task and size, warm-up 10% of the steps
     (short,) = ev.recipe_runs(task, "short", "small")
     assert ev.recipe_runs(task, "short", "base") == [short] and short == dict(table6, **ev.SHORT)
@@ -398,6 +417,7 @@ def test_schedule_steps():
     assert ev.schedule_steps(hp, 200, 2490, warmup_flag=True)[1:] == (2, "warm-up 100 >= all 28 steps, cut to 2 (10%)")
     assert ev.schedule_steps(hp, 635, 635) == (80, 8, "warm-up 100 >= all 80 steps, cut to 8 (10%)")  # WNLI
     assert ev.schedule_steps(dict(hp, warmup=0.25), 200, 2490) == (28, 7, None)  # a fraction of all steps
+    assert ev.schedule_steps(dict(hp, warmup=312), 2490, 2490)[1] == 31  # = all steps: no step would decay, cut too
 
 
 # ----------------------------------------------------------------------------------------------
@@ -428,6 +448,15 @@ def test_table_averages_like_for_like():
     base = next(line for line in table.split("\n") if line.startswith("| paper: BERT-base MLM"))
     assert base.endswith(f"| – | {np.mean([84.2, 87.9, 63.4]):.1f} (all: 80.9) |")
     assert "| model | MNLI-m/mm acc |" in table and "Avg of 4 (Tab. 1 way) | Avg of 3 (Tab. 3 way) |" in table
+
+
+def test_table_averages_the_papers_metrics_and_leaves_wnli_out():
+    # TACO: F1 for QQP and MRPC, Spearman for STS-B; WNLI left out of Avg. (Devlin et al.)
+    report = fake_report({"qqp": {"f1": 80.0, "acc": 90.0}, "mrpc": {"f1": 70.0, "acc": 60.0},
+                          "stsb": {"pearson": 50.0, "spearman": 40.0}, "wnli": {"acc": 10.0}})
+    ours = next(line for line in gs.glue_table(report).split("\n") if line.startswith("| m ("))
+    assert ours.endswith(f"| {np.mean([80, 70, 40]):.1f} | {np.mean([80, 70, 40]):.1f} |")
+    assert "| 80.0 |" in ours and "| 90.0 |" not in ours
 
 
 def test_random_batches():
@@ -586,10 +615,12 @@ def test_error_malformed_rows(tmp_path, tiny_model_dir, capsys):
     assert f"{path}:5: expected 4 tab-separated columns, got 3" in err
     path = glue / "MRPC" / "dev.tsv"
     lines = path.read_text().split("\n")
-    lines[3] = "yes" + lines[3][1:]
-    path.write_text("\n".join(lines))
-    with pytest.raises(ValueError, match=r"dev.tsv:4: bad label 'yes'"):
-        glue_tasks.read_tsv(str(path), glue_tasks.TASKS["mrpc"])
+    first = lines[3].split("\t", 1)[1]
+    for bad in ("yes", "2"):  # not a label of the task, numeric or not
+        lines[3] = bad + "\t" + first
+        path.write_text("\n".join(lines))
+        with pytest.raises(ValueError, match=f"dev.tsv:4: bad label '{bad}'"):
+            glue_tasks.read_tsv(str(path), glue_tasks.TASKS["mrpc"])
     path = glue / "STS-B" / "train.tsv"
     lines = path.read_text().split("\n")
     for bad in ("nan", "inf", "7.5", "-40"):  # a similarity score in [0, 5]
@@ -599,6 +630,14 @@ def test_error_malformed_rows(tmp_path, tiny_model_dir, capsys):
     path.write_bytes("\n".join(lines[:5]).encode() + "\n0\tcaf\xe9".encode("latin-1"))
     with pytest.raises(ValueError, match=r"train.tsv:6: not UTF-8 text"):
         glue_tasks.read_tsv(str(path), glue_tasks.TASKS["stsb"])
+
+
+def test_crlf_line_ends_read_as_lf(tmp_path):
+    glue = write_glue(tmp_path / "glue")
+    path = glue / "MRPC" / "dev.tsv"  # sentence B in the last column
+    lf = glue_tasks.read_tsv(str(path), glue_tasks.TASKS["mrpc"])
+    path.write_bytes(path.read_bytes().replace(b"\n", b"\r\n"))
+    assert glue_tasks.read_tsv(str(path), glue_tasks.TASKS["mrpc"]).to_dict() == lf.to_dict()
 
 
 def test_every_tsv_is_checked_before_any_fine_tuning(tmp_path, tiny_model_dir, capsys):
@@ -739,6 +778,27 @@ def test_best_run_on_dev_predicts_the_test_set(tmp_path, tiny_model_dir, monkeyp
     assert {v for _, v in read_submission(out / "CoLA.tsv")} == {str(chosen % 2)}
 
 
+def test_a_run_scores_its_last_epoch_not_its_best(tmp_path, tiny_model_dir, monkeypatch):
+    # no best-epoch picking on dev: each run's score is its last epoch's, and so is the one choosing the predicting run
+    mcc = {1: [60.0, 10.0], 2: [20.0, 30.0], 3: [5.0, 80.0]}  # seed 1 peaks at epoch 1
+    rows = []
+
+    def fake_finetune(base, task, data, hp, seed, *args):
+        rows.append((len(data["train"].labels), len(data["dev"][""].labels)))
+        return torch.nn.Linear(1, 1), [dict(epoch=k + 1, scores=dict(mcc=v), collapsed=False)
+                                       for k, v in enumerate(mcc[seed])]
+    monkeypatch.setattr(ev, "finetune", fake_finetune)
+    monkeypatch.setattr(ev, "predict", lambda model, enc, *a, **k: np.zeros(len(enc.lengths), np.int64))
+    out = tmp_path / "out"
+    ev.main(["--model", str(tiny_model_dir), "--glue_dir", str(write_glue(tmp_path / "glue")), "--tasks", "cola",
+             "--seeds", "1,2,3", "--predict", "--out", str(out)])
+    cola = json.loads((out / "glue.json").read_text())["tasks"]["cola"]
+    assert cola["runs"]["seed 1"]["scores"] == {"mcc": 10.0}
+    assert cola["mean"] == {"mcc": 40.0} and cola["median"] == {"mcc": 30.0}
+    assert cola["predicted_by"] == "seed 3"
+    assert rows == [(48, 24)] * 3  # trained on train.tsv, scored on dev.tsv
+
+
 def test_a_stopped_run_keeps_the_tasks_it_finished(tmp_path, tiny_model_dir, monkeypatch, capsys):
     def fake_finetune(base, task, *args):
         if task.name == "stsb":
@@ -803,6 +863,40 @@ def test_a_dev_set_without_rows_is_named(tmp_path, tiny_model_dir, capsys):
     assert "stsb: the dev split has no rows" in err
 
 
+def test_mnli_and_qqp_read_from_their_own_files(tmp_path):
+    # MNLI's matched/mismatched dev and test files (AX from diagnostic/), QQP's test index column "id": no GLUE copy
+    # here holds them, so tiny files in the GLUE layout stand in
+    files = {"MNLI/train.tsv": "index\tsentence1\tsentence2\tgold_label\n0\ttrain a\ttrain b\tneutral\n",
+             "MNLI/dev_matched.tsv": "index\tsentence1\tsentence2\tgold_label\n0\tdev m\tb\tcontradiction\n",
+             "MNLI/dev_mismatched.tsv": "index\tsentence1\tsentence2\tgold_label\n0\tdev mm\tb\tentailment\n",
+             "MNLI/test_matched.tsv": "index\tsentence1\tsentence2\n0\ttest m\tb\n",
+             "MNLI/test_mismatched.tsv": "index\tsentence1\tsentence2\n0\ttest mm\tb\n",
+             "diagnostic/diagnostic.tsv": "index\tsentence1\tsentence2\n0\tax\tb\n",
+             "QQP/train.tsv": "id\tqid1\tqid2\tquestion1\tquestion2\tis_duplicate\n7\t1\t2\tq1\tq2\t1\n",
+             "QQP/dev.tsv": "id\tqid1\tqid2\tquestion1\tquestion2\tis_duplicate\n8\t1\t2\tq1\tq2\t0\n",
+             "QQP/test.tsv": "id\tquestion1\tquestion2\n9\tq1\tq2\n"}
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    mnli = glue_tasks.load_task(glue_tasks.TASKS["mnli"], str(tmp_path), test=True)
+    assert {k: (ds["text_a"], ds["label"]) for k, ds in mnli["dev"].items()} == {"m": (["dev m"], [2]),
+                                                                                 "mm": (["dev mm"], [0])}
+    assert {k: ds["text_a"] for k, ds in mnli["test"].items()} == {"MNLI-m": ["test m"], "MNLI-mm": ["test mm"],
+                                                                   "AX": ["ax"]}
+    qqp = glue_tasks.load_task(glue_tasks.TASKS["qqp"], str(tmp_path), test=True)
+    assert qqp["test"]["QQP"]["index"] == ["9"] and qqp["dev"][""]["label"] == [0]
+
+
+def test_paper_rows_are_tables_1_and_3():
+    # typed from TACO (dev sets): MNLI-m, -mm, QQP, QNLI, SST-2, CoLA, STS-B, MRPC, RTE, Avg.
+    assert [(numbers, avg) for _, numbers, avg in gs.PAPER_ROWS] == [
+        ((76.9, 77.4, 85.7, 86.2, 89.0, 28.8, 85.6, 85.9, 59.6), 75.0),  # Tab. 1 MLM-250k
+        ((76.7, 76.8, 85.2, 85.0, 87.5, 31.3, 85.6, 87.1, 59.1), 74.9),  # Tab. 1 TACO-50k
+        ((77.9, 78.4, 86.1, 86.5, 88.9, 34.2, 86.1, 88.1, 59.5), 76.2),  # Tab. 1 TACO-250k
+        ((84.2, None, 87.9, 91.1, 92.1, 51.1, 87.9, 89.8, 63.4), 80.9),  # Tab. 3 MLM-500k (MNLI-m only)
+        ((84.6, None, 88.1, 90.8, 92.3, 53.4, 88.5, 90.7, 66.3), 81.8)]  # Tab. 3 TACO-500k
+
+
 def test_a_test_set_index_must_be_unique_and_present(tmp_path):
     glue = write_glue(tmp_path / "glue")
     path = glue / "CoLA" / "test.tsv"
@@ -811,3 +905,106 @@ def test_a_test_set_index_must_be_unique_and_present(tmp_path):
         path.write_text("\n".join(lines[:2] + [bad + "\t" + lines[2].split("\t", 1)[1]] + lines[3:]))
         with pytest.raises(ValueError, match=f"test.tsv:3: {needle}"):
             glue_tasks.read_tsv(str(path), glue_tasks.TASKS["cola"], test=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# finetune and predict against explicit references
+
+
+def tiny_regression_data(n=20, seed=0):
+    """n rows [CLS] 6 ids [SEP], STS-B-like scores in [0, 5]."""
+    rng = np.random.default_rng(seed)
+    ids = [np.array([2, *rng.integers(5, 40, 6), 3], np.int32) for _ in range(n)]
+    return ev.Encoded(ids, np.full(n, 8), np.full(n, 8), rng.uniform(0, 5, n).astype(np.float32))
+
+
+def test_finetune_follows_table6_schedule_clipping_and_weight_decay(tiny_model_dir, monkeypatch):
+    # Table 6: linear warm-up, then linear decay to 0 (Hugging Face's get_linear_schedule_with_warmup), max gradient
+    # norm 1.0; weight decay on weight matrices, not on biases and LayerNorms
+    seen = dict(steps=[])
+
+    class RecordingAdamW(torch.optim.AdamW):
+        def __init__(self, groups, **kw):
+            super().__init__(groups, **kw)
+            seen["groups"] = [(g["weight_decay"], [id(p) for p in g["params"]]) for g in self.param_groups]
+
+        def step(self, closure=None):  # the lr and gradient each update uses
+            grads = [p.grad.flatten() for g in self.param_groups for p in g["params"] if p.grad is not None]
+            seen["steps"].append((self.param_groups[0]["lr"], torch.cat(grads).norm().item()))
+            return super().step(closure)
+    monkeypatch.setattr(torch.optim, "AdamW", RecordingAdamW)
+    enc = tiny_regression_data()
+    hp = dict(lr=1e-3, batch_size=4, epochs=2, dropout=0.1, weight_decay=0.01, precision="fp32")
+    model, _ = ev.finetune(Bert.from_pretrained(str(tiny_model_dir), mlm_head=False), glue_tasks.TASKS["stsb"],
+                           dict(train=enc, dev={"": enc}), hp, 1, torch.device("cpu"), 0, total=10, warmup=3,
+                           log=lambda line: None)
+    assert [lr for lr, _ in seen["steps"]] == pytest.approx([1e-3 * x for x in (0, 1 / 3, 2 / 3, 1, 6 / 7, 5 / 7, 4 / 7,
+                                                                                3 / 7, 2 / 7, 1 / 7)])
+    norms = [norm for _, norm in seen["steps"]]
+    assert max(norms) == pytest.approx(1.0, abs=1e-4)  # regression from scratch: large gradients, clipped to 1
+    names = {id(p): name for name, p in model.named_parameters()}
+    decayed = {names[i] for wd, params in seen["groups"] if wd == 0.01 for i in params}
+    assert decayed == {n for n in names.values() if not n.endswith("bias") and ".ln" not in n}
+
+
+def test_each_seed_draws_its_own_init_and_batch_order(tiny_model_dir, monkeypatch):
+    batches, real = [], ev.random_batches
+
+    def recording(n, batch_size, rng):
+        out = real(n, batch_size, rng)
+        batches.append(np.concatenate(out))
+        return out
+    monkeypatch.setattr(ev, "random_batches", recording)
+    enc = tiny_regression_data()
+    hp = dict(lr=0.0, batch_size=4, epochs=1, dropout=0.1, weight_decay=0.0, precision="fp32")  # lr 0: init kept
+    base = Bert.from_pretrained(str(tiny_model_dir), mlm_head=False)
+    heads, orders = [], []
+    for seed in (1, 1, 2):
+        batches.clear()
+        model, _ = ev.finetune(base, glue_tasks.TASKS["stsb"], dict(train=enc, dev={"": enc}), hp, seed,
+                               torch.device("cpu"), 0, total=5, warmup=1, log=lambda line: None)
+        heads.append(model.classifier.weight.detach().clone())
+        orders.append(batches[0].tolist())
+    assert torch.equal(heads[0], heads[1]) and orders[0] == orders[1]  # a seed is one run
+    assert not torch.equal(heads[0], heads[2]) and orders[0] != orders[2]  # another seed, another init and order
+
+
+def test_predict_is_the_eval_mode_model_on_each_row_alone():
+    # dropout off (even on a model left in train mode), padding masked, the dataset's order back from length sorting
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=50, hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32)
+    model = ev.GlueModel(Bert(cfg), 1, dropout=0.5).train()
+    for p in model.parameters():  # BERT's init (std 0.02) gives every row nearly one output
+        if p.ndim == 2:
+            torch.nn.init.normal_(p, std=0.5)
+    rng = np.random.default_rng(0)
+    ids = [np.array([2, *rng.integers(5, 50, k), 3], np.int32) for k in (7, 2, 5, 1, 9)]
+    lengths = np.array([len(r) for r in ids])
+    preds = ev.predict(model, ev.Encoded(ids, lengths, lengths, np.zeros(5, np.float32)), 0, torch.device("cpu"),
+                       batch_size=2)
+    model.eval()
+    with torch.no_grad():
+        expected = [model(torch.tensor(r[None], dtype=torch.long), torch.ones(1, len(r), dtype=torch.bool),
+                          torch.zeros(1, len(r), dtype=torch.long)).item() for r in ids]
+    assert np.ptp(expected) > 0.1 and preds.tolist() == pytest.approx(expected, abs=1e-4)
+
+
+def test_a_constant_prediction_on_dev_is_marked_collapsed(tiny_model_dir, monkeypatch):
+    monkeypatch.setattr(ev, "predict", lambda model, enc, *a, **k: np.full(len(enc.lengths), 2.5, np.float32))
+    enc = tiny_regression_data()
+    hp = dict(lr=0.0, batch_size=4, epochs=1, dropout=0.1, weight_decay=0.0, precision="fp32")
+    _, history = ev.finetune(Bert.from_pretrained(str(tiny_model_dir), mlm_head=False), glue_tasks.TASKS["stsb"],
+                             dict(train=enc, dev={"": enc}), hp, 1, torch.device("cpu"), 0, total=5, warmup=1,
+                             log=lambda line: None)
+    assert history[-1]["collapsed"] and history[-1]["scores"] == {"pearson": 0.0, "spearman": 0.0}
+
+
+def test_regression_trains_on_mean_squared_error(tiny_model_dir):
+    # STS-B as BertForSequenceClassification with one label: MSE; lr 0 and no dropout: the loss of the model as it is
+    enc = tiny_regression_data()
+    hp = dict(lr=0.0, batch_size=4, epochs=1, dropout=0.0, weight_decay=0.0, precision="fp32")
+    model, history = ev.finetune(Bert.from_pretrained(str(tiny_model_dir), mlm_head=False), glue_tasks.TASKS["stsb"],
+                                 dict(train=enc, dev={"": enc}), hp, 1, torch.device("cpu"), 0, total=5, warmup=1,
+                                 log=lambda line: None)
+    preds = ev.predict(model, enc, 0, torch.device("cpu"))
+    assert history[0]["train_loss"] == pytest.approx(np.mean((preds - enc.labels) ** 2), rel=1e-4)
