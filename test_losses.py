@@ -329,6 +329,20 @@ def test_token_prediction_ignores_padding_whatever_its_ids():
     assert close(first["tp_loss"], second["tp_loss"]) and close(first["mlm_loss"], second["mlm_loss"])
 
 
+def test_mlm_decodes_with_the_word_embeddings():
+    # tied decoder: with tokens 5..20 only in the input, rows 21..49 of the word embeddings learn through the head
+    model = tiny_model()
+    loss, _ = build("mlm", model)(model, make_batch(vocab=21), seeded())
+    loss.backward()
+    assert (model.embeddings.word.weight.grad[21:50].abs().sum(-1) > 0).all()
+
+
+def test_masked_mean_ignores_nan_and_inf_at_masked_out_positions():
+    # masked_mean's contract (a where, not a product): a NaN or inf where the mask is off never reaches the mean
+    values = torch.tensor([1.0, float("nan"), float("inf"), 3.0])
+    assert losses.masked_mean(values, torch.tensor([True, False, False, True])) == 2.0
+
+
 class EchoModel(nn.Module):
     """Predicts each position's visible token (h = its one-hot, logits = 10 h): right exactly at the
     selected slots that masking left unchanged, so an accuracy over the wrong slots shows."""
@@ -556,7 +570,7 @@ def test_taco_gradients_match_the_dense_gather(monkeypatch, stop_grad, double):
     (False, "masked", 5, 0.07, 0, False), (True, "masked", 5, 0.07, 0, False),
     # the other hyperparameters off their defaults (W 5, tau 0.07, the whole batch, MLM alone): each reaches the loss
     (True, "all", 3, 0.2, 2, True),
-    # a row of one token (padded data) has no positive: its anchor is left out
+    # a row of one token (padded data) has no positive: its anchor is left out; a row of two keeps both
     ("one", "all", 5, 0.07, 0, False)])
 def test_taco_matches_reference(padded, anchors, W, tau, pool, predict_all):
     """Value and gradient: positives and negatives are detached (taco_stop_grad), so the gradient reaches h and
@@ -565,7 +579,7 @@ def test_taco_matches_reference(padded, anchors, W, tau, pool, predict_all):
     K = 6
     objective = build("taco", model, taco_window=W, taco_negatives=K, taco_temperature=tau, taco_anchors=anchors,
                       taco_weight=0.7, negative_pool=pool, mlm_predict_all=predict_all)
-    batch = make_batch(**(dict(lengths=[16, 1, 16, 7]) if padded == "one" else PADDED if padded else {}))
+    batch = make_batch(**(dict(B=5, lengths=[16, 1, 16, 7, 2]) if padded == "one" else PADDED if padded else {}))
     x, am = batch["input_ids"], batch.get("attention_mask")
     B, T = x.shape
     valid = am.bool() if padded else torch.ones_like(x, dtype=torch.bool)
@@ -680,8 +694,10 @@ def test_tacl_matches_reference(padded):
     batch = make_batch(**(PADDED if padded else {}))
     x, am = batch["input_ids"], batch.get("attention_mask")
     valid = am.bool() if padded else torch.ones_like(x, dtype=torch.bool)
-    loss, metrics = objective(model, batch, seeded(6))
-    corrupted, positions, labels = mask_tokens(x, model.config, seeded(6), 0.15, 0.8, 0.1, am)
+    loss, metrics = objective(model, batch, seeded(2))
+    corrupted, positions, labels = mask_tokens(x, model.config, seeded(2), 0.15, 0.8, 0.1, am)
+    # all 15% are positions, the random and unchanged slots too: this draw has some (seed 6 had none)
+    assert (corrupted.gather(1, positions)[labels != -100] != MASK).any()
     h = model(corrupted, attention_mask=am)
     with torch.no_grad():
         teacher = teacher_init(x, attention_mask=am)
@@ -865,20 +881,21 @@ def sevens_in_rows_0_and_2(batch):
 
 def test_cocolm_a_sample_equal_to_the_original_counts_as_original(monkeypatch):
     """The generator is right in rows 0 and 2 (every sample is the original token) and wrong in rows 1 and 3:
-    L_LM takes its orig * p_copy(1) branch exactly there, and replaced_frac counts only rows 1 and 3."""
+    L_LM takes its orig * p_copy(1) branch exactly there, and replaced_frac counts only rows 1 and 3's masked
+    slots (padded rows: 2, 1, 2, 1 of their 3 slots used, so a rate over every slot would read 1/2, not 1/3)."""
     monkeypatch.setattr(losses, "sample_tokens", lambda logits, rng: torch.full(logits.shape[:-1], 7))
     model = tiny_model()
     objective = build("cocolm", model)
     with torch.no_grad():
         objective.copy_head.bias.fill_(0.3)
-    batch = make_batch()
-    x = sevens_in_rows_0_and_2(batch)
+    batch = make_batch(**PADDED)
+    x, am = sevens_in_rows_0_and_2(batch), batch["attention_mask"]
     _, metrics = objective(model, batch, seeded(8))
-    _, positions, labels = mask_tokens(x, model.config, seeded(8), 0.15, 0.8, 0.1)
+    _, positions, labels = mask_tokens(x, model.config, seeded(8), 0.15, 0.8, 0.1, am)
     x_mlm = x.scatter(1, positions, torch.where(labels != -100, 7, x.gather(1, positions)))
     used = labels != -100
     assert abs(metrics["replaced_frac"] - used[[1, 3]].sum() / used.sum()) < 1e-6
-    h = model(x_mlm)
+    h = model(x_mlm, attention_mask=am)
     assert close(metrics["lm_loss"], ref_corrective_lm(objective, model, h, x, x_mlm, positions, labels))
 
 
@@ -947,6 +964,21 @@ def test_corrective_lm_loss_reduces_to_cross_entropy():
     logits.requires_grad_(), copy_logit.requires_grad_()
     corrective_lm_loss(logits, targets, copy_logit, torch.arange(6) % 2 == 0).sum().backward()
     assert copy_logit.grad is None and logits.grad.abs().sum() > 0
+
+
+def test_generator_accuracy_is_its_argmax_over_the_used_masked_slots(monkeypatch):
+    # gen_acc scores the generator's argmax against the original token at the used slots only: not its samples'
+    # hit rate, not the unused slots that padded rows leave (here: argmax 7, samples 8; used slots 2, 1, 2, 1 of 3)
+    monkeypatch.setattr(losses, "sample_tokens", lambda logits, rng: torch.full(logits.shape[:-1], 8))
+    model = tiny_model()
+    generator = build("electra", model).generator
+    with torch.no_grad():
+        generator.head.bias[7] = 100.0
+    batch = make_batch(**PADDED)
+    x = sevens_in_rows_0_and_2(batch)
+    _, _, labels, _, metrics = generator(model, x, batch["attention_mask"], seeded(8))
+    used = labels != -100
+    assert abs(metrics["gen_acc"] - (labels == 7)[used].double().mean()) < 1e-6  # 4/6: rows 0 and 2
 
 
 def test_electra_a_sample_equal_to_the_original_is_not_replaced(monkeypatch):

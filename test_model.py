@@ -168,6 +168,12 @@ def test_padded_vocab_rows_never_predicted():
     assert m.mlm_logits(torch.randn(5, 32)).shape == (5, 100)
 
 
+def test_padded_vocab_rounds_up_to_a_multiple_of_64():
+    # padded up, never down: an embedding with fewer rows than the vocabulary would lose its last tokens
+    for vocab, padded in ((64, 64), (65, 128), (80, 128), (100, 128), (30522, 30528)):
+        assert BertConfig(vocab_size=vocab).padded_vocab_size == padded
+
+
 def test_too_long_sequence_is_a_clear_error():
     m = Bert(BertConfig(**TINY))
     with pytest.raises(ValueError, match="max_position_embeddings"):
