@@ -91,12 +91,13 @@ def data_barrier(layout, who):
 
 
 def lost_peer(error):
-    """Whether `error` is a collective failing because another process of the run is gone (killed, out of
-    memory, a lost node): gloo raises a RuntimeError naming the peer, NCCL a DistError. Its first sentence."""
+    """The first sentence of `error` if it is a collective failing because another process of the run is gone
+    (killed, out of memory, a lost node): gloo's "Connection reset by peer", NCCL's ncclRemoteError. Else None:
+    this process's own errors (an NCCL out-of-memory, mismatched shapes) keep their traceback."""
     if int(os.environ.get("WORLD_SIZE", 1)) < 2 or not isinstance(error, RuntimeError):
         return None
     line = re.sub(r"^\[[^\]]*\]\s*", "", str(error).strip().split("\n")[0])  # gloo's [source.cc:537] prefix
-    if isinstance(error, dist.DistError) or "peer" in line.lower():
+    if re.search(r"\bby peer\b|ncclRemoteError|remote process", str(error), re.IGNORECASE):
         return line.split(". ")[0]
     return None
 

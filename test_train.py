@@ -479,6 +479,24 @@ def test_torchrun_sigterm_saves_then_resumes_on_one_process(corpus, tmp_path, ck
     assert max(x["step"] for x in records if "loss" in x) == step + 4
 
 
+def test_only_a_lost_process_reads_as_a_lost_peer(monkeypatch):
+    # a peer's death is named in one line; this process's own errors keep their traceback
+    import distributed
+    import torch.distributed as dist
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    gloo = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:10165: "
+                        "Connection reset by peer. This is typically caused by a remote worker hanging")
+    assert distributed.lost_peer(gloo) == "Read error [127.0.0.1]:10165: Connection reset by peer"
+    assert distributed.lost_peer(dist.DistBackendError("NCCL error: remote process exited or there was a network "
+                                                       "error, NCCL version 2.27 ncclRemoteError"))
+    for own in (dist.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled cuda error: out of memory"),
+                RuntimeError("CUDA error: peer access is not supported between these two devices"),
+                RuntimeError("Parent directory /runs/peer_review/taco does not exist."), ValueError("by peer")):
+        assert distributed.lost_peer(own) is None, own
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert distributed.lost_peer(gloo) is None
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="Linux /proc")
 def test_a_killed_rank_is_one_error_line_on_the_others(corpus, tmp_path):
