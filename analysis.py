@@ -302,7 +302,8 @@ def _ends_sentence(before, after):
     if not before.endswith("."):
         return True
     word = re.search(r"([^\s.(\[\"']*)\.$", before).group(1).lower()
-    if (len(word) == 1 and word.isalpha()) or word in ABBREVIATIONS:
+    possessive = word == "s" and re.search(r"' ?s\.$", before)  # "the hero ' s." as a decoder spaces it
+    if (len(word) == 1 and word.isalpha() and not possessive) or word in ABBREVIATIONS:
         return False
     return not (word.isdigit() and after[:1].isdigit())  # "3. 4": a decimal point, as an uncased decoder spaces it
 

@@ -579,10 +579,10 @@ def test_initials_abbreviations_and_decoded_decimals_do_not_end_a_sentence():
     # a validation split decoded by an uncased tokenizer spaces every period: "u. s.", "e. g.", "3. 4"; before the
     # fix 12% of the sentences sampled from decoded enwiki were such fragments ("s. government gave ...")
     decoded = ("the u. s. government gave usd 250 million in 1995. it grew by 3. 4 %, e. g. in st. louis. "
-               "john m. smith ( smith et al. 2001 ) agreed. 2001 was dry.")
+               "john m. smith ( smith et al. 2001 ) agreed. 2001 was dry. the prize was the hero ' s. it was gold.")
     assert A.split_sentences(decoded) == [
         "the u. s. government gave usd 250 million in 1995.", "it grew by 3. 4 %, e. g. in st. louis.",
-        "john m. smith ( smith et al. 2001 ) agreed.", "2001 was dry."]
+        "john m. smith ( smith et al. 2001 ) agreed.", "2001 was dry.", "the prize was the hero ' s.", "it was gold."]
     cased = "Dr. Smith met John F. Kennedy in St. Louis. They talked. It ended ."
     assert A.split_sentences(cased) == ["Dr. Smith met John F. Kennedy in St. Louis.", "They talked.", "It ended ."]
 
