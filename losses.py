@@ -161,8 +161,7 @@ def pool_size(negative_pool, batch_size, minimum=1):
 
 class MLM(nn.Module):
     """Masked language modelling (Devlin et al., 2019; RoBERTa's dynamic masking, no NSP: fidelity note 5):
-    L_MLM = mean over the selected 15% of CE(model.head(h_i), x_i), where model.head is the transform (dense,
-    GELU, LayerNorm) then the tied decoder E + b. Nothing is detached."""
+    L_MLM = mean over the selected 15% of CE(model.head(h_i), x_i), head = transform + tied decoder. No detach."""
 
     def __init__(self, model, cfg):
         super().__init__()
@@ -227,8 +226,7 @@ class TACO(nn.Module):
     from a +-W//2 window of its own row, K negatives from the other rows of its pool (taco_samples;
     negative_pool consecutive rows, 0 = the micro-batch as the official code). s = cos / tau; positives and
     negatives are detached (taco_stop_grad), so the gradient reaches h and the embeddings through the anchor.
-    L_TC = mean over anchors of -log(e^{s+} / (e^{s+} + sum_k e^{s-_k})); L = L_MLM + lambda * L_TC.
-    Memory: negatives are scored by NegativeDots, never gathered as one (B, T, K, D) tensor."""
+    L_TC = mean over anchors of -log(e^{s+} / (e^{s+} + sum_k e^{s-_k})); L = L_MLM + lambda * L_TC."""
     uses_negative_pool = True  # config.py gives each process whole pools and checks their size
 
     def __init__(self, model, cfg):
@@ -270,9 +268,8 @@ class TACO(nn.Module):
             g = upcast(g)
             pos_cos = (g * upcast(keys[positive])).sum(-1)  # (B, T)
             # = (g[:, :, None] * keys[negatives]).sum(-1), without that (B, T, K, D) tensor (3.4 GB at b256 s128)
-            # fused on CUDA while training only: held-out batches (other shapes) would compile it a second time
-            fused = self.fused_scoring and self.training and g.is_cuda
-            neg_cos = NegativeDots.apply(g, keys, negatives, fused)  # (B, T, K)
+            # (B, T, K); the compiled kernel on CUDA in training only (a held-out shape would compile it again)
+            neg_cos = NegativeDots.apply(g, keys, negatives, self.fused_scoring and self.training and g.is_cuda)
             # Eq. 7: f = cos / tau; Eq. 6: InfoNCE with the positive at index 0 (the paper prints it without exp)
             logits = torch.cat([pos_cos[..., None], neg_cos], dim=-1) / self.temperature
             # Eq. 8, as the official code: a mean over all anchors (the paper: per sequence, then over sequences;
