@@ -4,9 +4,8 @@ The algorithm does not need this module: on one process it reduces to "cpu or cu
 guarantees (test_train.py's DDP, torchrun-SIGTERM and SIGKILL tests; test_reliability.py's signal tests):
 - torchrun's RANK / WORLD_SIZE / LOCAL_RANK give each process its GPU (NCCL) or a gloo CPU group;
 - a dead rank fails the others' next collective at once (one `error (rank N):` line each, by rundir.run_main),
-  a frozen one after DDP_TIMEOUT (never a hang),
-  and the ranks that wait while rank 0 (or a node with its own --cache_dir) tokenizes a corpus wait up to
-  DATA_TIMEOUT on their own group;
+  a frozen one after DDP_TIMEOUT (never a hang), and the ranks that wait while rank 0 (or a node with its own
+  --cache_dir) tokenizes a corpus wait up to DATA_TIMEOUT on their own group;
 - SIGINT / SIGTERM stop a run between two steps, never inside one, and every rank stops after the same
   step (a tiny gloo all-reduce each step); a second Ctrl-C stops at once (under torchrun it reaches only
   torchrun, which passes on a SIGTERM: the workers still save); a SIGKILLed torchrun takes its workers

@@ -132,10 +132,11 @@ def print_plan(cfg, model, layout, dtype, grad_accum, train_loader, num_train_to
     if pooled(cfg.objective):
         print(f"negative pool: {cfg.negative_pool or cfg.batch_size} sequences" + ("" if cfg.negative_pool else
               " (the per-process micro-batch: changes with the layout; --negative_pool fixes it)"))
-    epochs = cfg.max_steps * (cfg.tokens_per_step // cfg.seq_len) / train_loader.num_blocks
+    blocks = cfg.tokens_per_step // cfg.seq_len  # a step's [CLS] + seq_len - 2 tokens + [SEP] blocks
+    epochs = cfg.max_steps * blocks / train_loader.num_blocks
     size = f"{num_train_tokens / 1e6:.1f}M" if num_train_tokens >= 1e6 else f"{num_train_tokens / 1e3:.0f}k"
     print(f"this run reads the {size}-token training split {epochs:.2f} times (epochs): "
-          f"{cfg.max_steps:,} steps x {cfg.tokens_per_step // cfg.seq_len:,} blocks of {cfg.seq_len - 2} text tokens "
+          f"{cfg.max_steps:,} steps x {blocks:,} blocks of {cfg.seq_len - 2} text tokens "
           f"(+ [CLS], [SEP])")
 
 
