@@ -89,6 +89,15 @@ def data_barrier(layout, who):
         raise ValueError(f"{who} (its error line says why), or took over {DATA_TIMEOUT}") from None
 
 
+def every_rank(layout, value):
+    """`value` of each rank, in rank order (gathered on the gloo data group: any object, any device)."""
+    if not layout.ddp:
+        return [value]
+    values = [None] * layout.world
+    dist.all_gather_object(values, value, group=layout.data_group)
+    return values
+
+
 def lost_peer(error):
     """The first sentence of `error` if it is a collective failing because another process of the run is gone
     (killed, out of memory, a lost node): gloo's "Connection reset by peer", NCCL's ncclRemoteError. Else None:

@@ -7,7 +7,8 @@ It guarantees (test_reliability.py and test_train.py hold it to each):
 - ckpt.pt is what --resume trusts; the Hugging Face export is written after it and rewritten from it
   when the two disagree (a run killed between them); a failed save or log write (a full disk) is one line
   and keeps the last good one;
-- a resume reads its own tokenizer and refuses other data (a fingerprint of the token streams);
+- a resume reads its own tokenizer and refuses other data (a fingerprint of the token streams), as a run
+  refuses ranks that read other tokens than rank 0 (a node's own copy of --data or --cache_dir);
 - every segment of a run records the code that ran (git commit, code.diff of local changes), torch, host;
 - bad input is one `error:` line and exit 2 (once, from rank 0 under torchrun), nothing saved is touched.
 """
@@ -360,6 +361,12 @@ class Run:
         if ckpt and ckpt.get("data", fingerprint) != fingerprint:  # (checkpoints before this check have none)
             raise ValueError(f"--resume {cfg.out_dir}: --data {cfg.data} is not the data this run was trained on "
                              f"(then {ckpt['data']}, now {fingerprint}): the files were edited, replaced or moved")
+        # nodes that read their own copy of --data (or their own --cache_dir) must have read the same tokens
+        others = {r: f for r, f in enumerate(distributed.every_rank(layout, fingerprint)) if f != fingerprint}
+        if others:  # every rank raises; rank 0 and each other node's first process say why
+            raise ValueError(f"--data {cfg.data}: rank(s) {', '.join(map(str, others))} read other data than rank "
+                             f"{layout.rank} ({fingerprint}; rank {min(others)}: {others[min(others)]}): every node "
+                             f"needs the same data files and tokenizer")
         self.cfg, self.layout, self.ckpt, self.fingerprint = cfg, layout, ckpt, fingerprint
         self.saved_step, self.log_file, self.diff_name = 0, None, "code.diff"
 

@@ -352,6 +352,45 @@ distributed.close(layout)
     assert [(tmp_path / f"ok{rank}").read_text() for rank in (0, 1)] == ["2", "2"]
 
 
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_nodes_with_their_own_data_and_cache(corpus, tmp_path):
+    # torchrun across two "nodes" on this machine, each with its own copy of the corpus and its own --cache_dir:
+    # node 1 trains the same tokenizer and tokenizes the same stream itself; a copy that differs stops the run
+    def two_nodes(node1_data, out):
+        port, procs = free_port(), []
+        for node, data in ((0, corpus), (1, node1_data)):
+            flags = common(corpus, tmp_path, out=out, data=data, cache_dir=tmp_path / f"cache{node}_{out}",
+                           max_steps=2, warmup_steps=1, ckpt_interval=2, eval_interval=100)
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",
+                 "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}", "train.py",
+                 *map(str, flags)], cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                env={**os.environ, "OMP_NUM_THREADS": "1"}))
+        return [(p.wait(timeout=300), p.communicate()[1]) for p in procs]
+
+    copy = tmp_path / "node1" / "toy.txt"
+    copy.parent.mkdir()
+    copy.write_text(corpus.read_text())
+    (code0, err0), (code1, err1) = two_nodes(copy, "same")
+    assert code0 == code1 == 0, err0[-2000:] + err1[-2000:]
+    assert torch.load(tmp_path / "same" / "ckpt.pt", weights_only=True)["step"] == 2
+    assert list((tmp_path / "cache1_same").glob("tokens-*.bin"))  # node 1 tokenized for itself
+    write_corpus(copy, seed=1)  # node 1's copy is other text: its own vocabulary, other tokens
+    (code0, err0), (code1, err1) = two_nodes(copy, "other")
+    errors = [line for line in err0.splitlines() if line.startswith("error")]
+    assert code0 != 0 and code1 != 0 and errors == [errors[0]], err0[-2000:]
+    assert errors[0].startswith("error: --data") and "rank(s) 1 read other data than rank 0" in errors[0]
+    assert "error (rank 1): --data" in err1  # node 1's first process says so too
+    assert not (tmp_path / "other").exists()  # stopped before anything was written
+
+
 # ---- bad input: one clear line, non-zero exit, nothing saved lost
 
 @pytest.mark.slow
