@@ -74,6 +74,46 @@ def test_wikitext_heading_rules(monkeypatch, batch_rows):
     assert boundaries([" = Alpha =", " text ", " = Beta =", " more "]) == 1
 
 
+def _flat_pieces(*files):
+    import datasets
+    return [p for batch in corpus.pieces([("lines", datasets.Dataset.from_dict({"text": rows}), f"{i}.raw")
+                                          for i, rows in enumerate(files)]) for p in batch]
+
+
+def test_only_a_whole_doc_tag_starts_an_article():
+    rows = ['<doc id="1" title="A">', "alpha", "<doctor who is a show", "</doc>", '<doc id="2">', "beta"]
+    assert _flat_pieces(rows) == ["alpha", "<doctor who is a show", None, "beta"]
+
+
+def test_each_file_keeps_its_own_heading_rule():
+    # a file with blank rows before one without: the second's " = Gamma = " after a text row is still a title
+    assert _flat_pieces([" = Alpha = ", "", " text ", ""], [" = Beta = ", " text ", " = Gamma = ", " more "]) \
+        == [" = Alpha = ", " text ", None, " = Beta = ", " text ", None, " = Gamma = ", " more "]
+
+
+def test_each_bad_path_is_refused_before_loading(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "nocorpus").mkdir()
+    (tmp_path / "nocorpus" / "notes.md").write_text("not a corpus suffix")
+    for bad, problem in [("missing.txt", "data path not found"), ("./missing", "data path not found"),
+                         (str(tmp_path / "missing"), "data path not found"), ("nothing*.txt", "no files match"),
+                         ("nocorpus", "no .txt/.raw/.jsonl/.parquet files"), ("empty.txt", "empty data file")]:
+        with pytest.raises(ValueError, match=re.escape(problem)):
+            corpus.resolve_files(bad)
+    assert corpus.resolve_files("wikimedia/wikipedia:20231101.en") is None  # a hub name
+
+
+def test_a_directory_or_glob_gives_its_files_in_sorted_order(tmp_path):
+    (tmp_path / "sub" / "deeper").mkdir(parents=True)
+    for name in ["b.txt", "A.TXT", "notes.md", "sub/a.jsonl", "sub/c.txt.xz", "sub/deeper/d.txt"]:
+        (tmp_path / name).write_text("some words\n")
+    assert corpus.resolve_files(str(tmp_path)) == [tmp_path / n for n in
+                                                  ["A.TXT", "b.txt", "sub/a.jsonl", "sub/c.txt.xz", "sub/deeper/d.txt"]]
+    assert corpus.resolve_files(str(tmp_path / "**" / "*.txt")) == [tmp_path / "b.txt", tmp_path / "sub/deeper/d.txt"]
+    assert corpus.resolve_files(str(tmp_path / "s*" / "*")) == [tmp_path / "sub/a.jsonl", tmp_path / "sub/c.txt.xz"]
+
+
 def test_brackets_in_a_path_are_not_a_pattern(tmp_path, monkeypatch):
     import config
     home = tmp_path / "runs [v2]"  # a working directory whose name glob would read as a character class
@@ -206,6 +246,21 @@ def test_unreadable_corpus_is_one_clear_error(tok_dir, tmp_path, name):
         assert left == ["hf"]  # no partial token file left behind
 
 
+def test_a_bad_file_among_good_ones_is_named_alone(tok_dir, tmp_path):
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "good.txt").write_text(_paragraph(0))
+    (tmp_path / "corpus" / "latin1.txt").write_bytes("café au lait\n".encode("latin-1"))
+    with pytest.raises(ValueError) as info:
+        data.prepare_data(str(tmp_path / "corpus"), tmp_path / "cache", tokenizer=tok_dir)
+    assert "latin1.txt" in str(info.value) and "good.txt" not in str(info.value)
+
+
+def test_a_file_without_a_text_field_is_named(tok_dir, tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"body": "the river"}\n')
+    with pytest.raises(ValueError, match=re.escape(f"no 'text' field in {tmp_path / 'a.jsonl'}")):
+        data.prepare_data(str(tmp_path / "a.jsonl"), tmp_path / "cache", tokenizer=tok_dir)
+
+
 def test_corrupt_token_cache_is_rebuilt(tok_dir, tmp_path, capsys):
     path = tmp_path / "a.txt"
     path.write_text(_wikiextractor_text())
@@ -228,6 +283,42 @@ def test_corrupt_token_cache_is_rebuilt(tok_dir, tmp_path, capsys):
         assert np.array_equal(np.fromfile(cached, dtype=original.dtype), original), damage
     _stream(tok_dir, path, tmp_path)
     assert "rebuilding" not in capsys.readouterr().out  # an intact cache is reused silently
+
+
+def test_a_sidecar_of_another_shape_means_a_rebuild(tmp_path, capsys):
+    path = tmp_path / "tokens-k.uint16.bin"
+    path.write_bytes(b"\x05\x00" * 10)
+    for text in ["{}", "[]", "null", '{"bytes": 20}', '{"bytes": 20, "checksum": null}']:
+        path.with_suffix(".json").write_text(text)
+        assert not token_files.cache_ok(path), text
+        assert "rebuilding" in capsys.readouterr().out, text
+
+
+def test_a_token_file_appears_only_by_its_rename(tok_dir, tmp_path, monkeypatch):
+    path = tmp_path / "a.txt"
+    path.write_text(_wikiextractor_text())
+
+    def killed(src, dst):  # the process dies before the rename: no token file under its real name
+        raise KeyboardInterrupt
+    monkeypatch.setattr(token_files.os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        _stream(tok_dir, path, tmp_path)
+    assert not list((tmp_path / "cache").glob("tokens-*.bin"))
+
+
+def test_a_token_file_that_cannot_be_created_says_why(tok_dir, tmp_path, monkeypatch):
+    # a read-only or full cache: the error is the system's, not a missing temporary file
+    path = tmp_path / "a.txt"
+    path.write_text(_wikiextractor_text())
+    real_open = builtins.open
+
+    def read_only(name, *args, **kwargs):
+        if ".bin.tmp" in str(name):
+            raise OSError(30, "Read-only file system", str(name))
+        return real_open(name, *args, **kwargs)
+    monkeypatch.setattr(builtins, "open", read_only)
+    with pytest.raises(OSError, match="Read-only file system"):
+        _stream(tok_dir, path, tmp_path)
 
 
 def test_what_killed_writers_left_in_the_cache_is_removed(tmp_path, capsys, monkeypatch):
@@ -354,6 +445,15 @@ def test_the_corpus_key_sees_each_kind_of_replacement(tmp_path):
     assert key(base[:mid] + "X" + base[mid + 1:], stamp + 10**9) != k0  # a middle edit, a new mtime
     assert key(base[:mid] + "extra words" + base[mid:], stamp) != k0  # an insertion, the same mtime
     assert key(base[:-10] + "Z" * 9 + "\n", stamp) != k0  # a tail edit, the same size and mtime
+    assert key("Z" + base[1:], stamp) != k0  # a head edit, the same size and mtime
+
+
+def test_a_format_version_bump_invalidates_every_cache(tmp_path, monkeypatch):
+    f = tmp_path / "a.txt"
+    f.write_text("some words\n")
+    keys = [token_files.corpus_key(str(f), [f]), token_files.corpus_key("wikitext", None)]
+    monkeypatch.setattr(token_files, "FORMAT_VERSION", token_files.FORMAT_VERSION + 1)
+    assert token_files.corpus_key(str(f), [f]) != keys[0] and token_files.corpus_key("wikitext", None) != keys[1]
 
 
 def test_a_vocabulary_over_65536_pieces_gets_uint32_tokens(tmp_path):

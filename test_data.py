@@ -156,6 +156,43 @@ def test_hf_style_vocab(tmp_path):
     assert data.load_tokenizer(tmp_path).encode("HÉLLO world").tokens == ["[CLS]", "[UNK]", "world", "[SEP]"]
 
 
+def test_a_vocab_txt_reads_special_tokens_as_its_tokenizer_json_does(tok_dir):
+    text = "the [MASK] river [SEP] city"
+    expected = data.load_tokenizer(tok_dir / "tokenizer.json").encode(text).ids
+    assert expected[2] == 4 and data.load_tokenizer(tok_dir / "vocab.txt").encode(text).ids == expected
+
+
+def test_a_tokenizer_without_the_special_tokens_is_refused():
+    from tokenizers import Tokenizer, models
+    words = data.SPECIAL_TOKENS[:4] + ["the"]  # no [MASK]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    with pytest.raises(ValueError, match=r"lacks special tokens: \['mask'\]"):
+        data.special_token_ids(tok)
+
+
+def test_a_tokenizer_saved_with_padding_puts_no_pad_in_the_stream(tok_dir, tmp_path):
+    tok, lines = data.load_tokenizer(tok_dir), ["the river", "the city was born in the season of music"]
+    unpadded = sum((tok.encode(line, add_special_tokens=False).ids for line in lines), [])
+    tok.enable_padding(pad_id=0, pad_token="[PAD]")  # as some hub tokenizer.json files come
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "a.txt").write_text("\n".join(lines) + "\n")
+    _, stream, _ = data.prepare_data(str(tmp_path / "a.txt"), tmp_path / "cache",
+                                     tokenizer=str(tmp_path / "tokenizer.json"), val_fraction=0)
+    assert stream.tolist() == unpadded and 0 not in unpadded
+
+
+def test_punctuation_and_cjk_never_continue_a_word():
+    # the pre-tokenizer isolates them, so "##«" or "##中" would be vocabulary never used
+    alphabet, continuing = token_files.alphabet(["ab «c» d—e 中文"], BertNormalizer(lowercase=True), limit=100)
+    assert {"«", "»", "—", "中", "文"} <= set(alphabet)
+    assert continuing == ["a", "b", "c", "d", "e"]
+
+
+def test_alphabet_counts_each_text_once_across_its_buffers():
+    # 4096 x "x" fill the first buffer, then 5000 x "y": y is the more frequent character
+    assert token_files.alphabet([["x"] * 4096, ["y"] * 5000], BertNormalizer(lowercase=True), limit=1) == (["y"], ["y"])
+
+
 def test_transformers_autotokenizer(tok_dir, tmp_path):
     transformers = pytest.importorskip("transformers")
     tok = data.load_tokenizer(tok_dir)
@@ -178,6 +215,14 @@ def test_val_split(tmp_path):
     train, val = data.split_train_val(tokens[:20_000], 0.001, sep)
     assert len(val) >= 2000  # small corpus: the floor is 10% of the stream, not VAL_MIN_TOKENS
     assert len(data.split_train_val(tokens, 0, sep)[1]) == 0
+
+
+def test_val_cut_rounds_up_and_moves_to_the_nearest_document_start():
+    tokens = np.full(100_000, 7, dtype=np.uint16)
+    tokens[500::1000] = 3  # documents end at 500, 1500, ...
+    train, val = data.split_train_val(tokens, 0.2, 3)
+    assert len(val) == 20_499 and train[-1] == 3  # cut at 80_000, back to 79_501: not to an earlier start
+    assert len(data.split_train_val(np.full(20_001, 7, dtype=np.uint16), 0.25, 3)[1]) == 5001  # ceil(5000.25)
 
 
 # ----------------------------------------------------------------------------- BlockLoader
@@ -284,6 +329,17 @@ def test_blockloader_state_is_checked():
 def test_blockloader_too_few_tokens():
     with pytest.raises(ValueError, match="one batch"):
         _loader(TOKENS[:30], batch_size=4)
+
+
+def test_blockloader_seq_len_needs_room_for_cls_and_sep():
+    with pytest.raises(ValueError, match="seq_len must be >= 3"):
+        _loader(TOKENS, seq_len=2)
+
+
+def test_blockloader_one_global_batch_is_enough_and_needed():
+    assert _loader(TOKENS[:32], batch_size=4).next_batch().shape == (4, 10)  # exactly 4 blocks of 8
+    with pytest.raises(ValueError, match="one batch of 6"):  # 5 blocks: one rank's batch, not both ranks'
+        _loader(TOKENS[:40], batch_size=3, world_size=2)
 
 
 # ----------------------------------------------------------------------------- real data

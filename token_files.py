@@ -321,7 +321,7 @@ def tokenize(tok, parts, path, dtype, sep, data):
                 f.write(arr.tobytes())
                 n += len(arr)
     except BaseException:  # a bad row or Ctrl-C leaves no partial file (a SIGKILL's: the next making removes it)
-        os.remove(tmp)
+        Path(tmp).unlink(missing_ok=True)  # none if open failed (a read-only cache): the error says why, not this
         raise
     bar.close()
     if n == 0:
