@@ -306,6 +306,19 @@ def test_a_token_file_appears_only_by_its_rename(tok_dir, tmp_path, monkeypatch)
     assert not list((tmp_path / "cache").glob("tokens-*.bin"))
 
 
+def test_a_token_file_is_on_disk_before_its_rename(tok_dir, tmp_path, monkeypatch):
+    # after a power cut: no token file, or a whole one (the sampled checksum might miss a zeroed region)
+    path = tmp_path / "a.txt"
+    path.write_text(_wikiextractor_text())
+    events, real_fsync, real_replace = [], os.fsync, os.replace
+    monkeypatch.setattr(token_files.os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                             real_fsync(fd)))
+    monkeypatch.setattr(token_files.os, "replace", lambda a, b: (events.append(("replace", str(a))), real_replace(a, b)))
+    _stream(tok_dir, path, tmp_path)
+    bins = [(what, name) for what, name in events if ".bin.tmp" in name]
+    assert [what for what, _ in bins] == ["fsync", "replace"] and bins[0][1] == bins[1][1]
+
+
 def test_a_token_file_that_cannot_be_created_says_why(tok_dir, tmp_path, monkeypatch):
     # a read-only or full cache: the error is the system's, not a missing temporary file
     path = tmp_path / "a.txt"

@@ -23,8 +23,8 @@ What it guarantees:
 - a token file is reused only when it has the size and checksum its sidecar records, and the sidecar is
   written last: a truncated, corrupted or half-written cache is rebuilt (and says so), never trained on;
   a cached tokenizer with an unreadable or inconsistent file is trained again;
-- every file appears whole (a temporary file, then os.replace): a kill never leaves a partial file under
-  its real name, and what killed writers left is removed by the next run that takes the lock;
+- every file appears whole (a temporary file, on disk, then os.replace): a kill or a power cut never leaves
+  a partial file under its real name, and what killed writers left is removed by the next run that takes the lock;
 - concurrent runs on one cache do not corrupt it: the second waits on an OS lock (released however its
   holder dies), then finds the files made; a read-only cache is read without a lock;
 - editing, touching or replacing a data file, or changing the tokenizer, gives a new key (a file's path, size,
@@ -320,6 +320,8 @@ def tokenize(tok, parts, path, dtype, sep, data):
                 arr = np.fromiter(ids, dtype=dtype)
                 f.write(arr.tobytes())
                 n += len(arr)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the rename (hf_io.replace_atomic): a power cut leaves no zeroed file
     except BaseException:  # a bad row or Ctrl-C leaves no partial file (a SIGKILL's: the next making removes it)
         Path(tmp).unlink(missing_ok=True)  # none if open failed (a read-only cache): the error says why, not this
         raise
