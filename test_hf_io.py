@@ -62,6 +62,9 @@ def test_bad_checkpoints_are_clear_errors(tmp_path):
     bad.write_bytes(b"\x00" * 10)
     with pytest.raises(ValueError, match="corrupt"):
         Bert.from_pretrained(str(bad))
+    torch.save({"model": {}}, str(bad))  # a dict of the right kind, but no model_config
+    with pytest.raises(ValueError, match="not a checkpoint of this project"):
+        Bert.from_pretrained(str(bad))
     assert os.path.isfile(tmp_path / "model.safetensors")  # nothing saved was removed
     ours.save_pretrained(str(tmp_path))
     for name in ("model.safetensors", "config.json"):  # one file of the directory, where the directory was meant
@@ -77,6 +80,8 @@ def test_bad_checkpoints_are_clear_errors(tmp_path):
     (lambda s: s.update({"bert.embeddings.word_embeddings.weight": s["bert.embeddings.word_embeddings.weight"][:99]}),
      "has shape (99, 32), expected (100, 32)"),
     (lambda s: s.update({"cls.predictions.bias": torch.zeros(101)}), "has shape (101,), expected (100,)"),
+    (lambda s: s.pop("bert.encoder.layer.1.attention.self.key.weight"),
+     "missing weight bert.encoder.layer.1.attention.self.key.weight"),
 ])
 def test_weights_of_the_wrong_kind_are_clear_errors(tmp_path, edit, problem):
     from safetensors.torch import load_file, save_file
@@ -94,7 +99,9 @@ def test_weights_of_the_wrong_kind_are_clear_errors(tmp_path, edit, problem):
     ([], "expected a JSON object"), ({"hidden_size": "32"}, "hidden_size = '32'"),
     ({"num_hidden_layers": None}, "num_layers = None"), ({"num_attention_heads": 3}, "not a multiple of num_heads 3"),
     ({"hidden_dropout_prob": 1.5}, "dropout = 1.5"), ({"vocab_size": True}, "vocab_size = True"), ("{", "Expecting"),
-    ({"pad_token_id": 99999}, "pad_token_id = 99999, must be < vocab_size")])
+    ({"pad_token_id": 99999}, "pad_token_id = 99999, must be < vocab_size"),
+    ({"pad_token_id": 100}, "pad_token_id = 100, must be < vocab_size 100"),  # one past the last row
+    ({"num_attention_heads": 0}, "num_heads = 0, expected an integer >= 1")])
 def test_a_corrupt_config_is_one_clear_error(tmp_path, edit, problem):
     Bert(BertConfig(**TINY)).save_pretrained(str(tmp_path))
     cfg = json.load(open(tmp_path / "config.json"))
@@ -178,6 +185,54 @@ def test_an_export_with_its_ids_in_config_json_does_not_read_the_tokenizer(tmp_p
     Bert(BertConfig(**TINY)).save_pretrained(str(tmp_path))
     (tmp_path / "vocab.txt").write_bytes(b"\xff\xfe")  # damaged, and not needed: config.json holds every id
     assert Bert.from_pretrained(str(tmp_path)).config.cls_token_id == BertConfig.cls_token_id
+
+
+def test_an_export_keeps_every_config_field_for_transformers_and_for_us(tmp_path):
+    # no field at its default: one written as a constant, or read back as its default, shows here
+    config = BertConfig(**TINY, type_vocab_size=3, dropout=0.25, layer_norm_eps=1e-7, pad_token_id=5, unk_token_id=6,
+                        cls_token_id=7, sep_token_id=8, mask_token_id=9)
+    Bert(config).save_pretrained(str(tmp_path))
+    assert Bert.from_pretrained(str(tmp_path)).config == config
+    hf = transformers.AutoConfig.from_pretrained(str(tmp_path))
+    assert (hf.type_vocab_size, hf.hidden_dropout_prob, hf.attention_probs_dropout_prob, hf.layer_norm_eps,
+            hf.pad_token_id) == (3, 0.25, 0.25, 1e-7, 5)
+
+
+def test_special_ids_come_from_config_json_then_the_vocabulary_then_bert_base_uncased(tmp_path):
+    save_hf(hf_tiny(), str(tmp_path))  # transformers' config.json holds none of our four ids
+    tokens = [f"w{i}" for i in range(100)]
+    tokens[50:54] = ["[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    (tmp_path / "vocab.txt").write_text("\n".join(tokens) + "\n")  # a token's id is its line number, from 0
+    ids = lambda c: (c.unk_token_id, c.cls_token_id, c.sep_token_id, c.mask_token_id)
+    assert ids(Bert.from_pretrained(str(tmp_path)).config) == (50, 51, 52, 53)
+    config = json.load(open(tmp_path / "config.json"))
+    json.dump({**config, "mask_token_id": 9}, open(tmp_path / "config.json", "w"))  # one id given: the rest still read
+    assert ids(Bert.from_pretrained(str(tmp_path)).config) == (50, 51, 52, 9)
+    from hf_io import config_from_hf  # no vocabulary, bert-base-uncased's size: its ids
+    assert ids(config_from_hf({**config, "vocab_size": 30522})) == (100, 101, 102, 103)
+
+
+def test_old_google_layernorm_names_gamma_and_beta_load(tmp_path):
+    hf = hf_tiny()
+    state = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
+             for k, v in hf.state_dict().items()}
+    assert sum("LayerNorm.gamma" in k for k in state) == 6  # embeddings, head, two per layer
+    (tmp_path / "old").mkdir()
+    torch.save(state, str(tmp_path / "old" / "pytorch_model.bin"))
+    hf.config.to_json_file(str(tmp_path / "old" / "config.json"))
+    old = Bert.from_pretrained(str(tmp_path / "old")).state_dict()
+    new = Bert.from_pretrained(save_hf(hf, str(tmp_path / "new"))).state_dict()
+    assert old.keys() == new.keys() and all(torch.equal(old[k], new[k]) for k in new)
+
+
+def test_a_training_checkpoint_loads_the_pooler_it_carries(tmp_path):
+    # a run started from a Hugging Face BertModel carries its pooler into ckpt.pt (eval.py --model .../ckpt.pt)
+    from dataclasses import asdict
+    model = Bert(BertConfig(**TINY))
+    model.pooler = torch.nn.Linear(32, 32)
+    torch.save(dict(model=model.state_dict(), model_config=asdict(model.config)), str(tmp_path / "ckpt.pt"))
+    loaded = Bert.from_pretrained(str(tmp_path / "ckpt.pt"))
+    assert torch.equal(loaded.pooler.weight, model.pooler.weight) and torch.equal(loaded.pooler.bias, model.pooler.bias)
 
 
 def test_pickled_files_are_refused_on_a_torch_without_safe_loading(tmp_path, monkeypatch):

@@ -437,6 +437,20 @@ def test_an_atomic_write_is_on_disk_before_its_rename(tmp_path, monkeypatch):
     assert events == [("fsync", str(tmp_path / "config.json.tmp")), ("replace", str(tmp_path / "config.json.tmp"))]
 
 
+def test_an_atomic_write_stopped_by_ctrl_c_leaves_no_temporary_file(tmp_path):
+    # a second Ctrl-C lands inside torch.save (KeyboardInterrupt): the last checkpoint stands, and half a GB of
+    # ckpt.pt.tmp does not wait for the next run to remove it
+    target = tmp_path / "ckpt.pt"
+    target.write_bytes(b"good")
+
+    def interrupted(tmp):
+        Path(tmp).write_bytes(b"half")
+        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        hf_io.replace_atomic(str(target), interrupted)
+    assert target.read_bytes() == b"good" and [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
+
+
 def test_a_full_disk_anywhere_is_one_error_line_and_keeps_the_last_checkpoint(corpus, cache, tmp_path, capsys,
                                                                                monkeypatch):
     # a temporary file the disk could not hold is removed, and the file it was to replace is untouched
@@ -495,6 +509,21 @@ def test_a_full_disk_anywhere_is_one_error_line_and_keeps_the_last_checkpoint(co
     assert hf_io.load_checkpoint_file(str(out_dir / "ckpt.pt"))["step"] == 10
     code, _, err = run_main(["--resume", out_dir], capsys)  # room again: it goes on from step 10
     assert code == 0, err
+
+
+def test_a_full_disk_inside_the_safetensors_export_is_one_error_line(corpus, cache, tmp_path, capsys, monkeypatch):
+    # safetensors reports a failed write as its own SafetensorError, not an OSError
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    def full(*a, **k):
+        raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: \"No "
+                              "space left on device\" })")
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    code, _, err = run_main(flags(corpus, cache, tmp_path / "run", max_steps=5, ckpt_interval=5), capsys)
+    assert code == 1
+    one_error(err, "cannot save step 5", "StorageFull", "ckpt.pt keeps step 5")
+    assert not [p for p in (tmp_path / "run").iterdir() if ".tmp" in p.name]
 
 
 def test_resume_of_a_missing_path_and_of_a_run_with_no_checkpoint_say_which(tmp_path, capsys):
@@ -607,12 +636,13 @@ def test_partial_writes_of_a_killed_save_are_removed_on_resume(corpus, cache, tm
     assert run_main(flags(corpus, cache, run_dir, max_steps=5, ckpt_interval=5), capsys)[0] == 0
     (run_dir / "ckpt.pt.tmp").write_bytes(b"half a checkpoint")  # what a kill inside torch.save leaves
     (run_dir / "tokenizer.json.tmp4242").write_text("{")
-    for name in ("notes.txt", "draft.tmp", "notes.tmp2"):  # anything that is not our own temporary file stays
+    for name in ("notes.txt", "draft.tmp", "notes.tmp2", "old_ckpt.pt.tmp"):  # not our own temporary file: stays
         (run_dir / name).write_text("mine")
     code, _, err = run_main(["--resume", run_dir, "--max_steps", 6], capsys)
     assert code == 0, err
     assert not (run_dir / "ckpt.pt.tmp").exists() and not (run_dir / "tokenizer.json.tmp4242").exists()
-    assert all((run_dir / name).read_text() == "mine" for name in ("notes.txt", "draft.tmp", "notes.tmp2"))
+    assert all((run_dir / name).read_text() == "mine" for name in ("notes.txt", "draft.tmp", "notes.tmp2",
+                                                                    "old_ckpt.pt.tmp"))
     assert hf_io.load_checkpoint_file(str(run_dir / "ckpt.pt"))["step"] == 6
 
 
@@ -692,6 +722,9 @@ def test_a_checkpoint_config_of_the_wrong_type_is_one_error_line(corpus, cache, 
     for edit, needle in ((dict(step="5"), "its step is '5'"), (dict(step=-5), "its step is -5"),
                          (dict(elapsed_s="x"), "its elapsed_s is 'x'"), (dict(loader=-5), "its loader state is -5"),
                          (dict(loader={"sequences": "1"}), "its loader state is"),
+                         (dict(loader={"sequences": 2 ** 63}), "its loader state is"),  # past int64
+                         (dict(model_config={**ckpt["model_config"], "rotary": True}),
+                          "unknown model_config keys ['rotary']"),
                          (dict(config={}), "its config lacks objective"), (dict(config=config), "lacks max_steps"),
                          (dict(optimizer=optimizer), "optimizer state of shape"),
                          (dict(model=model), 'Missing key(s) in state_dict: "embeddings.ln.bias"')):
@@ -701,6 +734,10 @@ def test_a_checkpoint_config_of_the_wrong_type_is_one_error_line(corpus, cache, 
         assert code == 2
         one_error(err, needle)
         assert (run_dir / "log.jsonl").read_text() == lines
+    torch.save({k: v for k, v in ckpt.items() if k != "loader"}, run_dir / "ckpt.pt")  # a key gone, not just edited
+    code, _, err = run_main(["--resume", run_dir, "--max_steps", 10], capsys)
+    assert code == 2
+    one_error(err, "not a resumable checkpoint of this version (missing ['loader']")
 
 
 def test_resume_with_another_batch_size_continues_at_the_same_sequence(corpus, cache, tmp_path, capsys,
@@ -846,7 +883,8 @@ def test_resume_applies_the_new_optimizer_flags_dropout_and_dtype(corpus, cache,
     real_step = torch.optim.AdamW.step
 
     def spy(self, *a, **k):
-        seen.update(self.param_groups[0], dropout=[m.p for m in modules if isinstance(m, torch.nn.Dropout)])
+        seen.update(self.param_groups[0], dropout=[m.p for m in modules if isinstance(m, torch.nn.Dropout)],
+                    no_decay=self.param_groups[1]["weight_decay"])
         return real_step(self, *a, **k)
 
     modules = []
@@ -864,6 +902,7 @@ def test_resume_applies_the_new_optimizer_flags_dropout_and_dtype(corpus, cache,
     assert code == 0, err
     assert "note: --dtype fp16 on a CPU" in out  # slower than fp32 there
     assert seen["weight_decay"] == 0.5 and seen["betas"] == (0.9, 0.9) and seen["eps"] == 1e-3
+    assert seen["no_decay"] == 0.0  # biases and LayerNorms: --weight_decay is the matrices' only
     assert seen["dropout"] and set(seen["dropout"]) == {0.3}
 
 
@@ -951,6 +990,11 @@ def test_resume_refuses_another_seq_len(corpus, cache, tmp_path, capsys):
     code, _, err = run_main(["--resume", str(tmp_path / "run"), "--seq_len", "64", "--max_steps", "6"], capsys)
     assert code == 2
     one_error(err, "seq_len")
+    # the model and its vocabulary are the checkpoint's: another size or tokenizer is refused, not ignored in silence
+    for name, value in (("model_size", "small"), ("vocab_size", "300"), ("tokenizer", tmp_path / "run" / "vocab.txt")):
+        code, _, err = run_main(["--resume", tmp_path / "run", f"--{name}", value, "--max_steps", "6"], capsys)
+        assert code == 2, (name, err)
+        one_error(err, f"checkpoint has {name}=", "it would change the model")
 
 
 def test_the_data_fingerprint_sees_an_edit_that_keeps_the_token_count():
@@ -958,6 +1002,9 @@ def test_the_data_fingerprint_sees_an_edit_that_keeps_the_token_count():
     b = a.copy()
     b[1234] += 1
     assert rundir.data_fingerprint(a[:2000], a[2000:]) != rundir.data_fingerprint(b[:2000], b[2000:])
+    c = a.copy()
+    c[2500] += 1  # in the validation stream
+    assert rundir.data_fingerprint(a[:2000], a[2000:]) != rundir.data_fingerprint(c[:2000], c[2000:])
 
 
 def test_a_glob_one_folder_down_reads_into_the_cache(tmp_path):
@@ -1028,6 +1075,31 @@ def test_an_fp16_run_killed_and_resumed_is_bit_identical_with_its_loss_scale(cor
     a, b = (hf_io.load_checkpoint_file(str(tmp_path / d / "ckpt.pt")) for d in ("whole", "split"))
     assert a["step"] == b["step"] == 20 and a["scaler"] == b["scaler"]
     assert a["model"].keys() == b["model"].keys() and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+
+
+def test_an_electra_run_killed_and_resumed_ends_on_the_same_generator_and_optimizer(corpus, cache, tmp_path, capsys,
+                                                                                   monkeypatch):
+    """ELECTRA's generator is the objective's own weights (ckpt.pt's "objective"): killed after its step-2
+    checkpoint and resumed, the run ends on the weights, generator and AdamW state of one that ran through. A
+    resume that left the generator at its fresh init, or gave the no-decay group --weight_decay, ends elsewhere."""
+    args = dict(objective="electra", max_steps=4, ckpt_interval=2, eval_interval=1000, log_interval=4)
+    assert run_main(flags(corpus, cache, tmp_path / "whole", **args), capsys)[0] == 0
+    real_save = rundir.Run.save
+
+    def killed_after_step_2(self, step, elapsed_s):
+        real_save(self, step, elapsed_s)
+        if step == 2:
+            raise KeyboardInterrupt
+    with monkeypatch.context() as mp:
+        mp.setattr(rundir.Run, "save", killed_after_step_2)
+        assert run_main(flags(corpus, cache, tmp_path / "split", **args), capsys)[0] == 130
+    code, out, err = run_main(["--resume", tmp_path / "split"], capsys)
+    assert code == 0 and "resumed from step 2" in out, err
+    a, b = (hf_io.load_checkpoint_file(str(tmp_path / d / "ckpt.pt")) for d in ("whole", "split"))
+    assert a["step"] == b["step"] == 4 and a["objective"].keys() == b["objective"].keys() and a["objective"]
+    for part in ("model", "objective"):
+        assert all(torch.equal(a[part][k], b[part][k]) for k in a[part]), part
+    assert a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
 
 
 def test_tokens_per_s_counts_the_training_steps_only(corpus, cache, tmp_path, capsys, monkeypatch):
@@ -1111,3 +1183,59 @@ def test_a_lock_file_deleted_by_its_leaving_holder_is_not_taken(tmp_path, monkey
         rundir.take_lock(str(out_dir))  # D
     rundir.release_lock(b)
     assert not (out_dir / ".lock").exists()
+
+
+@pytest.mark.skipif(os.name == "nt", reason="flock")
+def test_a_lock_taken_over_from_a_dead_run_names_its_new_holder(tmp_path):
+    # .lock is opened for appending: without emptying it first, the dead run's "pid host" stays in front
+    import socket
+    (tmp_path / ".lock").write_text("999999 a-host-that-is-gone")
+    lock = rundir.take_lock(str(tmp_path))
+    try:
+        assert (tmp_path / ".lock").read_text() == f"{os.getpid()} {socket.gethostname()}"
+        with pytest.raises(ValueError, match=f"in use by process {os.getpid()} on {socket.gethostname()}"):
+            rundir.take_lock(str(tmp_path))
+    finally:
+        rundir.release_lock(lock)
+
+
+@pytest.mark.skipif(os.name == "nt", reason="flock")
+def test_a_leaving_run_deletes_its_lock_file_while_it_still_holds_it(tmp_path, monkeypatch):
+    # unlocked first, another run could lock the file in between and then lose it to the delete (see take_lock)
+    lock, held, real_remove = rundir.take_lock(str(tmp_path)), [], os.remove
+    monkeypatch.setattr(os, "remove", lambda path: (held.append(hf_io.still_training(str(tmp_path))),
+                                                    real_remove(path))[1])
+    rundir.release_lock(lock)
+    assert held == [True] and lock.closed and not (tmp_path / ".lock").exists()
+
+
+def test_a_lost_peer_is_one_line_and_exit_1_and_an_own_error_keeps_its_traceback(corpus, cache, tmp_path, capsys,
+                                                                                 monkeypatch):
+    # rundir.run_main around a train() that fails as a torchrun rank's collective fails when another rank died
+    argv = [str(a) for a in flags(corpus, cache, tmp_path / "run")]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+
+    def peer_died(cfg, ckpt):
+        raise RuntimeError("[pair.cc:537] Read error [127.0.0.1]:10165: Connection reset by peer. This is typically")
+    with pytest.raises(SystemExit) as info:
+        rundir.run_main(peer_died, argv, usage="")
+    assert info.value.code == 1
+    assert capsys.readouterr().err == ("error (rank 1): lost another process of this run (Read error "
+                                       "[127.0.0.1]:10165: Connection reset by peer); the last checkpoint stands: "
+                                       f"rerun with --resume {tmp_path / 'run'}\n")
+
+    def own_error(cfg, ckpt):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        rundir.run_main(own_error, argv, usage="")
+
+
+def test_ctrl_c_before_training_starts_exits_130_and_leaves_nothing(corpus, cache, tmp_path, capsys):
+    def interrupted(cfg, ckpt):  # while the corpus is tokenized, say
+        raise KeyboardInterrupt
+    with pytest.raises(SystemExit) as info:
+        rundir.run_main(interrupted, [str(a) for a in flags(corpus, cache, tmp_path / "run")], usage="")
+    assert info.value.code == 130
+    assert capsys.readouterr().err == "interrupted before training started: nothing was saved\n"
+    assert not (tmp_path / "run").exists()  # its lock released, the directory it made removed

@@ -536,6 +536,93 @@ def test_only_a_lost_process_reads_as_a_lost_peer(monkeypatch):
     assert distributed.lost_peer(gloo) is None
 
 
+def test_rank0_prepares_the_data_first_and_every_rank_leaves_together(monkeypatch):
+    # the barriers on the data group, recorded: rank 0 tokenizes while the others wait, then they read its cache,
+    # and all leave once the slowest is done (two barriers on every rank, or the ranks would pair them up wrongly)
+    import distributed
+    import torch.distributed as dist
+    events = []
+    monkeypatch.setattr(dist, "barrier", lambda group=None: events.append(group))
+    for rank, expected in ((0, ["prepare", "data", "data"]), (1, ["data", "prepare", "data"])):
+        events.clear()
+        layout = distributed.Layout(ddp=True, rank=rank, world=2, device="cpu", data_group="data")
+        assert distributed.rank0_first(layout, lambda: events.append("prepare") or "tokens") == "tokens"
+        assert events == expected, rank
+    # a rank that stopped on bad input (or took over DATA_TIMEOUT) is one line on the others, not gloo's traceback
+    def stopped(group=None):
+        raise RuntimeError("Connection closed by peer")
+    monkeypatch.setattr(dist, "barrier", stopped)
+    with pytest.raises(ValueError, match="rank 0 stopped while preparing the data"):
+        distributed.rank0_first(layout, lambda: None)
+
+
+def test_ranks_agree_on_the_logged_mean_the_first_bad_step_and_a_stop(monkeypatch):
+    # the collectives against a simulated second rank, whose values are `peer`: what this rank gets from them
+    import distributed
+    import torch.distributed as dist
+    peer = {}
+
+    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None):
+        tensor.copy_(torch.minimum(tensor, peer["value"]) if op == dist.ReduceOp.MIN else tensor + peer["value"])
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    layout = distributed.Layout(ddp=True, rank=0, world=2, device="cpu")
+    peer["value"] = torch.tensor([4.0, 1.0])
+    mean = distributed.mean_over_ranks(layout, {"loss": 2.0, "mlm_acc": torch.tensor(0.5)})
+    assert {k: float(v) for k, v in mean.items()} == {"loss": 3.0, "mlm_acc": 0.75}  # the global batch's, not a sum
+    peer["value"], bad = torch.tensor(5), torch.tensor(7)
+    assert distributed.first_across_ranks(layout, bad) == 5 and int(bad) == 7  # the first bad step; its own unchanged
+    stop = distributed.StopSignals(layout)
+    peer["value"] = torch.tensor([0])
+    assert not stop.stopping()
+    peer["value"] = torch.tensor([1])  # the signal reached the other rank only: this one stops too, and says why
+    assert stop.stopping() and stop.name == "SIGTERM"
+
+    class Trainer:
+        def no_sync(self):
+            return "no_sync"
+    # gradients are all-reduced on the last micro-step only; one process has nothing to hold back
+    from contextlib import nullcontext
+    assert distributed.no_sync(layout, Trainer(), last_micro_step=False) == "no_sync"
+    assert isinstance(distributed.no_sync(layout, Trainer(), last_micro_step=True), nullcontext)
+    one = distributed.Layout(ddp=False, rank=0, world=1, device="cpu")
+    assert isinstance(distributed.no_sync(one, Trainer(), last_micro_step=False), nullcontext)
+
+
+def test_a_second_sigterm_is_ignored_and_a_second_ctrl_c_stops_at_once():
+    import distributed
+    layout = distributed.Layout(ddp=False, rank=0, world=1, device="cpu")
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    try:
+        with distributed.StopSignals(layout) as stop:
+            assert not stop.stopping()
+        assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before  # no stop: handed back
+        with distributed.StopSignals(layout) as stop:
+            stop.on_signal(signal.SIGTERM, None)
+            try:
+                stop.on_signal(signal.SIGTERM, None)  # torchrun's, after the scheduler's: the save must go on
+            except KeyboardInterrupt:
+                pytest.fail("a second SIGTERM stopped the run at once")
+            assert stop.stopping() and stop.name == "SIGTERM"
+            with pytest.raises(KeyboardInterrupt):
+                stop.on_signal(signal.SIGINT, None)
+        # a stop was seen: a late repeated SIGTERM keeps being ignored while the process saves and exits
+        assert signal.getsignal(signal.SIGTERM) == stop.on_signal
+    finally:
+        signal.signal(signal.SIGINT, before[0])
+        signal.signal(signal.SIGTERM, before[1])
+
+
+def test_only_fp16_gets_a_loss_scaler_and_every_gpu_index_is_a_cuda_device():
+    import types
+    import distributed
+    layout = distributed.Layout(ddp=False, rank=0, world=1, device="cpu")
+    for dtype, scaled in (("fp32", False), ("bf16", False), ("fp16", True)):  # bf16 has fp32's range: nothing to scale
+        name, _, scaler = distributed.precision(types.SimpleNamespace(dtype=dtype), layout)
+        assert name == dtype and scaler.is_enabled() is scaled, dtype
+    # torchrun's rank 1 trains on cuda:1: autocast and the fused optimizer want the device type
+    assert distributed.Layout(ddp=True, rank=1, world=2, device="cuda:1").device_type == "cuda"
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="Linux /proc")
 def test_a_killed_rank_is_one_error_line_on_the_others(corpus, tmp_path):
