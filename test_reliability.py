@@ -73,7 +73,7 @@ BAD_VALUES = [
     ("log_interval", "0"), ("eval_interval", "0"), ("ckpt_interval", "0"), ("eval_batches", "0"),
     ("batch_size", "0"), ("seq_len", "0"), ("seq_len", "2"), ("tokens_per_step", "0"),
     ("mask_prob", "1.5"), ("mask_prob", "-0.1"), ("mask_prob", "0"), ("taco_window", "0"), ("taco_window", "1"),
-    ("taco_window", "4"), ("taco_window", "10001"),
+    ("taco_window", "4"), ("taco_window", "10001"), ("taco_window", "65"),  # 65: not < 2 x seq_len 32
     ("cocolm_crop_fraction", "2"), ("cocolm_crop_fraction", "0"), ("dtype", "fp8"), ("device", "tpu"),
     ("device", "cuda:x"), ("max_steps", "-5"), ("max_steps", "0"), ("lr", "0"), ("lr", "nan"), ("lr", "inf"),
     ("warmup_steps", "50"), ("warmup_steps", "-1"), ("weight_decay", "-0.1"), ("grad_clip", "-1"),
@@ -101,6 +101,14 @@ def test_every_bad_flag_is_one_error_line(corpus, cache, tmp_path, capsys):
     code, out, err = run_main(flags(corpus, cache, tmp_path / "run", objective="taco", taco_negatives=100000), capsys)
     assert code == 2
     one_error(err, "--taco_negatives", f"<= {7 * 32}")
+
+
+def test_the_lowest_value_each_flag_allows_is_accepted(tmp_path):
+    # the other side of BAD_VALUES: 0 is "off" for warm-up, clipping, decay, dropout, the pool and gen_layers
+    cfg = config.TrainConfig(warmup_steps=0, grad_clip=0.0, weight_decay=0.0, dropout=0.0, negative_pool=0,
+                             gen_layers=0, taco_weight=0.0, beta2=0.0, seed=0, seq_len=32, taco_window=63,
+                             out_dir=str(tmp_path / "run"), cache_dir=str(tmp_path / "cache"))
+    config.validate(cfg)  # taco_window 63: the widest below 2 x seq_len
 
 
 def test_a_lock_that_cannot_be_opened_is_one_error_line(corpus, cache, tmp_path, capsys):
@@ -189,17 +197,19 @@ class NaNAfter(losses.MLM):
         return loss, metrics
 
 
-@pytest.mark.parametrize("after, log_interval, message", [
-    (12, 5, "at step 13"),  # seen at the step-15 log line: ckpt.pt keeps step 10
-    (8, 100, "at step 9"),  # no log line before the step-10 save: the save itself refuses
+@pytest.mark.parametrize("after, log_interval, message, grad_clip", [
+    (12, 5, "at step 13", 1.0),  # seen at the step-15 log line: ckpt.pt keeps step 10
+    (12, 5, "at step 13", 0.0),  # clipping off: no gradient norm is computed, the loss alone shows it
+    (8, 100, "at step 9", 1.0),  # no log line before the step-10 save: the save itself refuses
 ])
 def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(corpus, cache, tmp_path, capsys, monkeypatch,
-                                                               after, log_interval, message):
+                                                               after, log_interval, message, grad_clip):
     monkeypatch.setitem(losses.LOSSES, "mlm", NaNAfter)
     monkeypatch.setattr(NaNAfter, "after", after)
     monkeypatch.setattr(NaNAfter, "calls", 0)
     out_dir = tmp_path / "run"
-    code, out, err = run_main(flags(corpus, cache, out_dir, max_steps=30, log_interval=log_interval), capsys)
+    code, out, err = run_main(flags(corpus, cache, out_dir, max_steps=30, log_interval=log_interval,
+                                    grad_clip=grad_clip), capsys)
     assert code == 1, err
     line = one_error(err, "non-finite loss", message, "mlm_loss", "lower learning rate")
     if after >= 10:
@@ -208,10 +218,12 @@ def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(corpus, cache, tmp
         assert ckpt["step"] == 10 and all(torch.isfinite(v).all() for v in ckpt["model"].values())
         assert rundir.export_step(str(out_dir)) == 10
         assert all(torch.isfinite(v).all() for v in model.Bert.from_pretrained(str(out_dir)).state_dict().values())
+        assert [r["step"] for r in read_log(out_dir)[1] if "loss" in r] == [5, 10]  # step 15's NaN is never logged
     else:
         assert "nothing was saved" in line and not (out_dir / "ckpt.pt").exists()
     assert not (out_dir / ".lock").exists()
-    assert "undo" not in line  # no flag that scales the loss moved off the preset
+    # no flag that scales the loss or the update moved off the preset, but clipping turned off
+    assert line.endswith("or undo --grad_clip 0 (off the preset's value)") if grad_clip == 0 else "undo" not in line
 
 
 def test_a_divergence_names_the_loss_scaling_flags_that_moved(corpus, cache, tmp_path, capsys):
@@ -1239,3 +1251,77 @@ def test_ctrl_c_before_training_starts_exits_130_and_leaves_nothing(corpus, cach
     assert info.value.code == 130
     assert capsys.readouterr().err == "interrupted before training started: nothing was saved\n"
     assert not (tmp_path / "run").exists()  # its lock released, the directory it made removed
+
+
+# ---- tests from a mutation audit of the training loop: each fails on a mutant of train.py that survived the suite
+
+def test_the_held_out_score_does_not_depend_on_the_batch_size(corpus, cache, tmp_path, capsys):
+    # the held-out blocks are a fixed row count (16, or the negative pool), not the per-process micro-batch, which
+    # --batch_size and the process count change: the same weights score the same at 8 sequences or 2 x 4
+    first = []
+    for batch_size in (8, 4):
+        out_dir = tmp_path / f"batch{batch_size}"
+        assert run_main(flags(corpus, cache, out_dir, max_steps=1, warmup_steps=1, batch_size=batch_size,
+                                 eval_batches=2), capsys)[0] == 0
+        first.append(read_log(out_dir)[1][0])
+    assert first[0]["step"] == 0 and first[0] == first[1]
+
+
+@pytest.mark.parametrize("objective, dtype, grad_clip", [
+    ("cocolm", "fp32", 0.05),  # COCO-LM owns a generator and heads beside the encoder
+    ("mlm", "fp32", 0.0),  # clipping off: the raw norm
+    ("mlm", "fp16", 0.05),  # clipped once the GradScaler has unscaled (COCO-LM's first fp16 steps overflow: skipped)
+])
+def test_every_trained_parameter_is_clipped_and_follows_the_schedule(corpus, cache, tmp_path, capsys, monkeypatch,
+                                                                     objective, dtype, grad_clip):
+    """At every optimizer step each param group (the undecayed biases and LayerNorms too) has the step's
+    lr_at, and the gradient norm over every trained parameter, the objective's own included, is --grad_clip
+    (of the true gradients, not fp16's scaled ones), or the raw norm with clipping off; every parameter
+    the objective owns moves."""
+    seen, start = [], {}
+    real_step, real_init = torch.optim.AdamW.step, losses.LOSSES[objective].__init__
+
+    def step(self, *a, **k):
+        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        seen.append(([group["lr"] for group in self.param_groups], torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(g) for g in grads])).item()))
+        return real_step(self, *a, **k)
+
+    def init(self, *a, **k):
+        real_init(self, *a, **k)
+        start.update({name: p.detach().clone() for name, p in self.named_parameters() if p.requires_grad})
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    monkeypatch.setattr(losses.LOSSES[objective], "__init__", init)
+    out_dir = tmp_path / "run"
+    code, _, err = run_main(flags(corpus, cache, out_dir, objective=objective, max_steps=2, warmup_steps=2, dtype=dtype,
+                                  grad_clip=grad_clip, ckpt_interval=2), capsys)
+    assert code == 0, err
+    assert [lrs for lrs, _ in seen] == [[1e-3, 1e-3], [2e-3, 2e-3]]  # warm-up: lr x (step + 1) / 2
+    for _, norm in seen:
+        assert norm == pytest.approx(grad_clip, rel=1e-4) if grad_clip else norm > 1.0
+    trained = hf_io.load_checkpoint_file(str(out_dir / "ckpt.pt"))["objective"]
+    assert bool(start) == (objective == "cocolm")  # MLM owns no parameter
+    assert [name for name in start if torch.equal(trained[name], start[name])] == []
+
+
+def test_the_last_step_is_logged_evaluated_and_saved_off_the_intervals(corpus, cache, tmp_path, capsys,
+                                                                       monkeypatch):
+    # max_steps 3 with every interval 2: step 3 is logged, evaluated and saved all the same; the resume to step 5
+    # evaluates at 4 and 5, not again at its start. Each record counts the global tokens of the steps since the
+    # last one: 256 a step, in 2 micro-steps of 4 x 32 here
+    import monitor
+    counted, real_record = [], monitor.StepLog.record
+
+    def record(self, step, *a):
+        counted.append((step, self.tokens))
+        return real_record(self, step, *a)
+    monkeypatch.setattr(monitor.StepLog, "record", record)
+    out_dir = tmp_path / "run"
+    args = dict(batch_size=4, log_interval=2, eval_interval=2, ckpt_interval=2)
+    assert run_main(flags(corpus, cache, out_dir, max_steps=3, **args), capsys)[0] == 0
+    assert hf_io.load_checkpoint_file(str(out_dir / "ckpt.pt"))["step"] == 3
+    assert run_main(["--resume", out_dir, "--max_steps", 5], capsys)[0] == 0
+    records = read_log(out_dir)[1]
+    assert [r["step"] for r in records if "loss" in r] == [2, 3, 4, 5]
+    assert [r["step"] for r in records if "val_mlm_loss" in r] == [0, 2, 3, 4, 5]
+    assert counted == [(2, 512), (3, 256), (4, 256), (5, 256)]

@@ -65,6 +65,10 @@ def test_flags_presets_and_types():
     assert cfg.max_steps == 7 and cfg.model_size == "small" and cfg.seq_len == 256  # preset, then flags
     assert cfg.compile is True and cfg.taco_stop_grad is False and set(given) == {
         "max_steps", "preset", "compile", "taco_stop_grad"}
+    assert [config.parse_args(["--compile", v])[0].compile for v in ("0", "1", "off")] == [False, True, False]
+    # a preset's warm-up longer than a shortened run becomes 10% of the run (fidelity note 33); a given one stays
+    assert cfg.warmup_steps == 0 and config.parse_args(["--preset=small", "--max_steps=1000"])[0].warmup_steps == 100
+    assert config.parse_args(["--max_steps", "7", "--warmup_steps", "9"])[0].warmup_steps == 9  # validate() refuses it
     for bad, msg in ((["--nope", "1"], "unknown flag"), (["--max_steps", "x"], "expects int"),
                      (["--preset", "huge"], "unknown preset"), (["--compile", "maybe"], "true or false")):
         with pytest.raises(ValueError, match=msg):
@@ -109,6 +113,8 @@ def test_micro_batching_keeps_the_global_batch():
     assert config.micro_batching(tacl, 16) == (16, 1)
     with pytest.raises(ValueError, match="not a multiple"):
         config.micro_batching(tacl, 3)  # 65,536 tokens do not split over 3 processes
+    with pytest.raises(ValueError, match="not a multiple"):  # a step shorter than one sequence: a clear error
+        config.micro_batching(config.TrainConfig(tokens_per_step=64), 1)
     base = config.TrainConfig(**config.PRESETS["base"], objective="taco")  # 1,280 x 256 per step, pools of 80
     assert config.micro_batching(base, 1) == (80, 16) and config.micro_batching(base, 16) == (80, 1)
     with pytest.raises(ValueError, match="negative_pool 80.* with 32 process.* allows 40$"):
@@ -182,6 +188,20 @@ def test_small_and_base_presets_are_taco_table_5():
     assert (small["num_layers"], small["hidden_size"], small["num_heads"]) == (4, 512, 8)
 
 
+def test_tacl_and_smoke_presets_are_what_the_docs_say():
+    # docs/fidelity.md note 3, typed in from TaCL's train_tacl_english.sh / train.py: 256 x 256 tokens, 150k steps,
+    # 10% warm-up, lr 1e-4, transformers' AdamW defaults (eps 1e-6, no weight decay), clip 1.0
+    tacl = config.TrainConfig(**config.PRESETS["tacl"])
+    assert (tacl.objective, tacl.model_size, tacl.seq_len, tacl.tokens_per_step) == ("tacl", "base", 256, 256 * 256)
+    assert (tacl.max_steps, tacl.warmup_steps, tacl.lr, tacl.adam_eps, tacl.weight_decay, tacl.grad_clip) == (
+        150_000, 15_000, 1e-4, 1e-6, 0.0, 1.0)
+    # the smoke run (README, the fields' comments): 300 steps of 16 x 128 tokens, a vocabulary of 8,192, no dropout
+    smoke = config.TrainConfig(**config.PRESETS["smoke"])
+    assert (smoke.model_size, smoke.max_steps, smoke.tokens_per_step, smoke.batch_size, smoke.seq_len) == (
+        "tiny", 300, 16 * 128, 16, 128)
+    assert (smoke.vocab_size, smoke.dropout, smoke.lr) == (8192, 0.0, 1e-3)
+
+
 def test_objective_defaults_are_the_papers():
     # typed in from the papers (the sources config.py's comments and --help name), so a default cannot drift:
     # TACO App. A (tau 0.07, K = 50 negatives; W = 5 from the official scripts), TACO Eq. 11 (lambda 1),
@@ -198,10 +218,11 @@ def test_weight_decay_on_matrices_and_embeddings_only():
     # decayed one (a resume re-applies --weight_decay to the saved groups in that order)
     model = train.Bert(train.BertConfig(vocab_size=100, hidden_size=32, num_layers=2, num_heads=4,
                                         intermediate_size=64))
-    cfg = config.TrainConfig(weight_decay=0.01)
+    cfg = config.TrainConfig(weight_decay=0.05, beta2=0.98, adam_eps=1e-6)  # off the defaults: the flags' values
     decayed, other = train.configure_optimizer(model.parameters(), cfg, "cpu").param_groups
     matrices = {id(m.weight) for m in model.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))}
-    assert decayed["weight_decay"] == 0.01 and other["weight_decay"] == 0.0
+    assert decayed["weight_decay"] == 0.05 and other["weight_decay"] == 0.0
+    assert all(g["betas"] == (0.9, 0.98) and g["eps"] == 1e-6 for g in (decayed, other))
     assert {id(p) for p in decayed["params"]} == matrices
     assert {id(p) for p in other["params"]} == {id(p) for p in model.parameters()} - matrices
 
@@ -210,6 +231,16 @@ def test_lr_schedule_warmup_then_linear_decay():
     cfg = config.TrainConfig(lr=1.0, warmup_steps=10, max_steps=110)
     assert train.lr_at(0, cfg) == pytest.approx(0.1) and train.lr_at(9, cfg) == pytest.approx(1.0)
     assert train.lr_at(60, cfg) == pytest.approx(0.5) and train.lr_at(110, cfg) == 0.0
+    assert train.lr_at(10, cfg) == 1.0  # the first decay step trains at the peak, never above it
+    # a run that is all warm-up: its last step's lr (a resume's report asks for it) is 0, not a ZeroDivisionError
+    assert train.lr_at(10, config.TrainConfig(lr=1.0, warmup_steps=10, max_steps=10)) == 0.0
+
+
+def test_each_micro_batch_and_stream_draws_from_its_own_seed():
+    # the objective's draws (stream 0) and dropout (stream 1) of every (step, global micro-batch) are seeded
+    # apart: a shared seed would make dropout's masks follow the MLM masks. The same inputs give the same seed
+    seeds = [train.step_seed(1337, step, micro, stream) for step in range(3) for micro in range(4) for stream in (0, 1)]
+    assert len(set(seeds)) == len(seeds) == 24 and train.step_seed(1337, 2, 3, 1) == seeds[-1]
 
 
 # ---- every objective trains through train.py and its loss falls
