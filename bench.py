@@ -16,15 +16,17 @@ data.BlockLoader: pinned memory, asynchronous copy).
 On a shared CPU, --interleave builds every run of a size first and then times one step of each in
 turn (medians over --steps rounds), so the machine's drift does not skew the ratios.
 
---hf times transformers.BertForMaskedLM built from model.config_to_hf (same hidden size, layers,
-heads, FFN, vocabulary, dropout; sequence length, batch, dtype, optimizer and clip as ours), the way
-Hugging Face users train it: labels with -100 on the unselected positions, 15% of the non-special
-tokens selected by a Bernoulli draw (DataCollatorForLanguageModeling's 80/10/10), and the head
-computing full-vocabulary logits at every position (Hugging Face's behaviour; ours runs the head on
-the selected positions only, and that head is where our speed-up comes from: --hf_masked adds a row of
-Hugging Face's encoder, compiled as ours, with its head on the selected positions only, eager as ours; on
-the CPU our MLM ran at 1.02x its tokens/s (tiny) and 0.97x (small): the encoders alike). Differences,
-each in Hugging Face's favour or neutral unless said:
+--hf times transformers.BertForMaskedLM built from hf_io.config_to_hf (same hidden size, layers,
+heads, FFN, vocabulary, positions, dropout in train mode, attention through SDPA (attn_implementation
+"sdpa", as ours); sequence length, batch, dtype, optimizer and clip as ours; tokens/s counts every
+position of the batch on both sides), the way Hugging Face users train it: labels with -100 on the
+unselected positions, 15% of the non-special tokens selected by a Bernoulli draw
+(DataCollatorForLanguageModeling's 80/10/10), and the head computing full-vocabulary logits at every
+position (Hugging Face's behaviour; ours runs the head on the selected positions only, and that head is
+where our speed-up comes from: --hf_masked adds a row of Hugging Face's encoder, compiled as ours, with
+its head on the selected positions only, eager as ours; on the CPU our MLM ran at 0.96x its tokens/s
+(tiny) and 0.95x (small), results/bench/cpu_hf_masked.json: the encoders alike). Differences, each in
+Hugging Face's favour or neutral unless said:
 - its masking is done before the timed steps (the collator runs in DataLoader workers); ours runs
   inside the timed step, on the device;
 - its vocabulary is 30,522 rows, ours padded to 30,528 (a multiple of 64) with the padded logits dropped:
@@ -32,7 +34,11 @@ each in Hugging Face's favour or neutral unless said:
 - no attention_mask is passed to either: packed blocks have no padding (an all-ones mask would
   keep Hugging Face off SDPA's flash kernel once compiled);
 - --compile 1 compiles our encoder (and TACO's negative scoring: train.py's choice) but Hugging
-  Face's whole model, loss included (what Trainer's torch_compile does); --compile 0 runs both eagerly.
+  Face's whole model, loss included (what Trainer's torch_compile does); --compile 2 our whole step and
+  Hugging Face's whole model; --compile 0 runs both eagerly;
+- --hf_masked's head runs on its Bernoulli count of selected positions (about 0.15 (T - 2) a row,
+  where ours fills ceil(0.15 T) slots), picked by a boolean index: one host sync a step on CUDA, which
+  ours avoids (against it).
 MFU counts the same model FLOPs for both (objective_flops_per_token("mlm"): the MLM head on the
 selected 15% only), so the MFU ratio equals the tokens/s ratio. "vs mlm" is the step time relative
 to our MLM step at the same size. transformers is needed for --hf only. Hugging Face's row comes
