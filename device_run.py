@@ -261,11 +261,13 @@ def prepare(args):
     if missing:
         sys.exit(f"error: --shared {args.shared}: no {missing[0]}")
     shards = [p for p in shards if os.path.isfile(p)]
-    # the tree once copied: what is there now, less the copies this call rewrites, plus what it copies
+    # the tree once copied: what is there now, less the copies this call rewrites (and the tokenizer, which it may
+    # train again: counted as 2 MiB, the trained one in its place), plus what it copies
     carried = [DATA_DIR]
     copies = [os.path.join(wheel_dir, os.path.basename(w)) for w in wheels]
     kept = sum(tree_size(root, carried).values()) - folder_size(os.path.join(data_dir, "corpus")) \
-        - folder_size(os.path.join(data_dir, "glue")) - sum(map(os.path.getsize, filter(os.path.isfile, copies)))
+        - folder_size(os.path.join(data_dir, "glue")) - sum(map(os.path.getsize, filter(os.path.isfile, copies))) \
+        - folder_size(os.path.join(data_dir, "tokenizer"))
     need = lambda files: kept + sum(map(os.path.getsize, files + glue + wheels)) + 2 * 2**20  # + the tokenizer
     if len(shards) > 1 and need(shards) > TRAVEL_LIMIT:
         print(f"note: {SHARDS[1]} does not fit under the {TRAVEL_LIMIT >> 20} MiB limit: the chunks train on "

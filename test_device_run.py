@@ -151,6 +151,30 @@ def test_prepare_copies_what_travels_and_drops_ab_when_it_does_not_fit(tmp_path,
         device_run.main(argv)
 
 
+def test_prepare_again_on_the_same_data_keeps_ab_and_the_tokenizer(tmp_path, monkeypatch, capsys):
+    # the first prepare counts the tokenizer it is about to train as 2 MiB; a second one must count the trained
+    # one in its place, not both: else a tree that fitted with AB loses AB on the rerun (and the corpus, the
+    # tokenizer and every later chunk change with it)
+    repo, shared = tmp_path / "repo", tmp_path / "shared"
+    git_repo(repo)
+    fake_shared(shared, 20000)
+    data = repo / device_run.DATA_DIR
+    argv = ["prepare", "--shared", str(shared), "--root", str(repo), "--vocab_size", "200"]
+    assert device_run.main(argv) == 0
+    first = sum(device_run.tree_size(str(repo), [device_run.DATA_DIR]).values()) \
+        - device_run.folder_size(str(data / "tokenizer")) + 2 * 2**20  # what the first prepare counted, source.json too
+    monkeypatch.setattr(device_run, "TRAVEL_LIMIT", first)  # the tree fits with AB, with nothing to spare
+    copied = {p: (p.stat().st_mtime_ns, p.stat().st_ino) for p in data.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert device_run.main(argv) == 0
+    out = capsys.readouterr().out
+    assert sorted(os.listdir(data / "corpus")) == list(device_run.SHARDS) and "does not fit" not in out, out
+    assert "trained the" not in out  # the same corpus: the same tokenizer, not trained again
+    # and nothing that was copied is copied again
+    assert {p: v for p, v in copied.items() if p.name != "source.json"} == {
+        p: (p.stat().st_mtime_ns, p.stat().st_ino) for p in data.rglob("*") if p.is_file() and p.name != "source.json"}
+
+
 # ---------------------------------------------------------------------------------------------
 # every chunk end to end at toy scale, then merged
 
