@@ -566,8 +566,11 @@ def pack(chunk, work, out_dir, record):
     files, left_out = collect_files(work), []
     while True:
         with tarfile.open(final + ".tmp", "w:gz") as tar:
-            for path, _ in files:
-                tar.add(path, arcname=os.path.join(chunk, os.path.relpath(path, work)), recursive=False)
+            for path, optional in list(files):
+                try:  # a stage may run beside this pack: reproduce.py removes a glue.part once merged into glue.json
+                    tar.add(path, arcname=os.path.join(chunk, os.path.relpath(path, work)), recursive=False)
+                except FileNotFoundError:  # listed, then removed: not in this archive
+                    files.remove((path, optional))
         optional = [f for f in files if f[1]]
         if os.path.getsize(final + ".tmp") <= ARCHIVE_LIMIT or not optional:
             break

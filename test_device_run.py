@@ -6,6 +6,7 @@ import lzma
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -97,6 +98,26 @@ def test_the_archive_holds_no_weights_and_stays_under_its_limit(tmp_path, monkey
                      "mlm-taco/mlm/glue.part/glue.json", "mlm-taco/mlm/log.jsonl", "mlm-taco/reproduce.json",
                      "mlm-taco/small.png"]
     assert record["left_out"] == ["big.png"] and os.listdir(out) == ["mlm-taco.tar.gz"]
+
+
+def test_a_file_removed_while_the_archive_is_packed_is_left_out(tmp_path, monkeypatch):
+    # the periodic pack runs beside the stage: reproduce.py merges a finished eval.py's RUN/glue.part/ into
+    # RUN/glue.json and removes the part folder, maybe between collect_files's listing and tar.add. A pack that
+    # raised there would end the command in the middle of its GLUE stage, that stage left running
+    work, out = tmp_path / "work", tmp_path / "out"
+    (work / "mlm" / "glue.part").mkdir(parents=True)
+    out.mkdir()
+    for name in ("mlm/log.jsonl", "mlm/glue.part/glue.json", "mlm/glue.part/stamp.json"):
+        (work / name).write_text("{}\n")
+    listed = device_run.collect_files
+
+    def absorbed_meanwhile(folder):
+        files = listed(folder)
+        shutil.rmtree(work / "mlm" / "glue.part")
+        return files
+    monkeypatch.setattr(device_run, "collect_files", absorbed_meanwhile)
+    with tarfile.open(device_run.pack("mlm-taco", str(work), str(out), {})) as tar:
+        assert sorted(tar.getnames()) == ["mlm-taco/chunk.json", "mlm-taco/mlm/log.jsonl"]
 
 
 def git_repo(path):
