@@ -85,7 +85,7 @@ def test_the_archive_holds_no_weights_and_stays_under_its_limit(tmp_path, monkey
     for name in ("mlm/log.jsonl", "mlm/config.json", "mlm/glue.part/glue.json", "reproduce.json", "mlm.train.out"):
         (work / name).write_text("{}\n")
     for name in ("mlm/ckpt.pt", "mlm/model.safetensors", "mlm/tokenizer.json", "mlm/vocab.txt", "cache/tokens-x.bin",
-                 "mlm/.lock", "mlm/log.jsonl.tmp"):
+                 "cache/tokens-x.uint16.json", "mlm/.lock", "mlm/log.jsonl.tmp", "results_curves_steps.png.tmp.png"):
         (work / name).write_text("weights")
     (work / "small.png").write_bytes(os.urandom(1000))
     (work / "big.png").write_bytes(os.urandom(30000))  # random bytes: gzip cannot shrink them
@@ -371,3 +371,457 @@ def test_run_flags_that_would_schedule_nothing_are_refused(tmp_path, capsys):
         err = capsys.readouterr().err
         assert stop.value.code == 2 and err.startswith("error: ") and needle in err and err.count("\n") == 1, err
     assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# run()'s schedule, on a clock moved by hand: each stage a stand-in that takes the seconds it is given, at once
+
+
+class Clock:
+    """device_run's `time`, moved by hand: a stage of 300 s takes none of the test's."""
+
+    def __init__(self):
+        self.now = 1_000_000.0
+
+    def time(self):
+        return self.now
+
+    def sleep(self, seconds):
+        self.now += seconds
+
+
+@pytest.fixture
+def fake_chunk(tmp_path, monkeypatch):
+    """run(CHUNK) at mini scale with its stages replaced by stand-ins ({name: seconds, (seconds, exit code), or a
+    function of the call returning the seconds}; absent: 1 s) and the device check by a working GPU. Returns
+    run(chunk, stages, *flags) -> (exit code, chunk.json as packed, the stages' calls, what each pack saw); each call
+    packs into its own run.out. A stand-in running into its deadline stops there (exit 143), as run_stage does."""
+    clock, calls, packs, runs = Clock(), [], [], []
+    monkeypatch.setattr(device_run, "time", clock)
+    monkeypatch.setattr(device_run, "WHEEL_DIR", str(tmp_path / "no_wheels"))
+    check_device = device_run.check_device
+    real_pack = device_run.pack
+
+    def pack(chunk, work, out_dir, record):
+        packs.append([(s["name"], s.get("status")) for s in record["stages"]])
+        return real_pack(chunk, work, out_dir, record)
+    monkeypatch.setattr(device_run, "pack", pack)
+    (tmp_path / "glue").mkdir()
+    (tmp_path / "corpus.txt").write_text("text\n")
+    handler = signal.getsignal(signal.SIGTERM)  # run() makes SIGTERM a KeyboardInterrupt: not for the rest
+
+    def run(chunk, stages, *flags):
+        def run_stage(argv, env, log, out_path, deadline, pack, stop_signal=signal.SIGTERM):
+            spec = stages.get(argv[-1], 1)
+            seconds, code = spec if isinstance(spec, tuple) else (spec, 0)
+            calls.append(dict(name=argv[-1], start=clock.now, deadline=deadline, signal=stop_signal))
+            if callable(seconds):  # a stand-in with something to do
+                seconds = seconds(calls[-1])
+            if clock.now + seconds >= deadline:
+                clock.now = max(clock.now, deadline)
+                return 128 + stop_signal, True
+            clock.now += seconds
+            return code, False
+        monkeypatch.setattr(device_run, "run_stage", run_stage)
+        monkeypatch.setattr(device_run, "check_device", check_device if run.check_device else
+                            lambda env, toy: dict(gpu="H100", torch="2", cuda="12"))
+        monkeypatch.setattr(device_run, "stage_commands", lambda chunk, args, work: [
+            (name, ["stage", name], bool(optional)) for name, _, *optional in device_run.CHUNKS[chunk]["stages"]])
+        calls.clear()
+        packs.clear()
+        out = run.out = tmp_path / "out" / str(len(runs))
+        runs.append(chunk)
+        try:
+            code = device_run.main(["run", chunk, "--out", str(out), "--work", str(out / "work"), "--data",
+                                    str(tmp_path / "corpus.txt"), "--glue_dir", str(tmp_path / "glue"), *flags])
+        finally:
+            signal.signal(signal.SIGTERM, handler)
+        with tarfile.open(out / f"{chunk}.tar.gz") as tar:
+            record = json.load(tar.extractfile(f"{chunk}/chunk.json"))
+        return code, record, list(calls), list(packs)
+    run.clock, run.check_device = clock, False  # True: the real device check (of device_run.CHECK)
+    return run
+
+
+def test_a_stage_still_running_at_the_budget_less_the_pack_reserve_is_stopped_and_the_rest_skipped(fake_chunk):
+    t0 = fake_chunk.clock.now
+    code, record, calls, _ = fake_chunk("mlm-taco", {"pretrain mlm": 100, "pretrain taco": 1000}, "--budget", "420")
+    deadline = t0 + 420 - device_run.PACK_RESERVE
+    assert [c["deadline"] for c in calls] == [deadline] * 2 and calls[1]["start"] == t0 + 100
+    assert code == 1 and record["finished"] is False
+    assert [(s["name"], s["status"].split(",")[0]) for s in record["stages"]] == [
+        ("pretrain mlm", "done"), ("pretrain taco", "stopped at the deadline"),
+        ("analysis", "skipped: 0 s left"), ("glue", "skipped: 0 s left")]
+    assert record["stages"][1]["wall_s"] == deadline - t0 - 100
+    # under 5 s left: the next stage is not started, and a stage that fails is said to have
+    code, record, calls, _ = fake_chunk("mlm-taco", {"pretrain mlm": (100, 3), "pretrain taco": 301}, "--budget", "420")
+    assert [(s["name"], s["status"].split(",")[0]) for s in record["stages"]] == [
+        ("pretrain mlm", "failed (exit 3)"), ("pretrain taco", "done"),
+        ("analysis", "skipped: 4 s left"), ("glue", "skipped: 4 s left")]
+    assert code == 1 and record["finished"] is False
+    # every stage done in time: exit 0
+    code, record, calls, _ = fake_chunk("mlm-taco", {}, "--budget", "420")
+    assert code == 0 and record["finished"] is True and [s["status"] for s in record["stages"]] == ["done"] * 4
+
+
+def test_an_optional_stage_starts_only_if_its_estimate_fits_and_its_skip_leaves_the_chunk_finished(fake_chunk):
+    expected = device_run.estimate("tacl")["glue mlm"]
+    assert expected > 30
+    # the required stages leave 30 s of the budget: less than the optional stage's estimate
+    required = 420 - device_run.PACK_RESERVE - 30
+    code, record, calls, _ = fake_chunk("tacl", {"pretrain mlm": required - 3}, "--budget", "420")
+    assert [c["name"] for c in calls] == ["pretrain mlm", "continue", "analysis", "glue"]
+    assert record["stages"][-1]["status"] == f"skipped: 30 s left, {expected:.0f} s expected"
+    assert code == 0 and record["finished"] is True
+    # ...and it runs when its estimate fits
+    code, record, calls, _ = fake_chunk("tacl", {"pretrain mlm": required - 3 - 2 * expected, "glue mlm": 20},
+                                        "--budget", "420")
+    assert code == 0 and [s["status"] for s in record["stages"]] == ["done"] * 5
+
+
+def test_test_cuda_gets_sigint_and_at_most_its_cap(fake_chunk):
+    # pytest prints its summary on SIGINT (SIGTERM ends it without one), and the check is capped at H100's seconds
+    code, record, calls, _ = fake_chunk("speed", {"bench small": 100, "bench base": 100, "test_cuda": 1000},
+                                        "--budget", "420")
+    assert [c["signal"] for c in calls] == [signal.SIGTERM, signal.SIGTERM, signal.SIGINT]
+    assert calls[2]["deadline"] == calls[2]["start"] + device_run.H100["test_cuda_s"] < calls[1]["deadline"]
+    assert record["stages"][2]["status"] == "stopped at the deadline" and code == 1
+    # with less of the budget left than the cap, the budget's deadline
+    code, record, calls, _ = fake_chunk("speed", {"bench small": 300, "bench base": 70, "test_cuda": 1000},
+                                        "--budget", "420")
+    assert calls[2]["deadline"] == calls[0]["deadline"] < calls[2]["start"] + device_run.H100["test_cuda_s"]
+
+
+def test_the_archive_is_rewritten_after_setup_and_after_each_stage(fake_chunk):
+    code, record, calls, packs = fake_chunk("mlm-taco", {}, "--budget", "420")
+    done = lambda n: [(name, "done") for name, _ in device_run.CHUNKS["mlm-taco"]["stages"][:n]]
+    assert packs[0] == [] and all(done(n) in packs for n in range(1, 5)), packs
+    assert packs[-1] == done(4) and record["total_s"] is not None
+
+
+def test_a_stopped_glue_stages_finished_tasks_are_in_the_archive(fake_chunk):
+    # eval.py writes each task it finishes into RUN/glue.part/: a GLUE stage stopped at the deadline leaves them
+    # there, and the archive carries them merged into RUN/glue.json, stamped with the export's step
+    def glue(call):
+        part = fake_chunk.out / "work" / "mlm" / "glue.part"
+        part.mkdir(parents=True)
+        (part / "glue.json").write_text(json.dumps({"seeds": [1, 2], "tasks": {"cola": {"status": "ok"}}}))
+        (part / "stamp.json").write_text(json.dumps({"training_step": 3000}))
+        return 1000
+    code, record, calls, _ = fake_chunk("mlm-taco", {"glue": glue}, "--budget", "420")
+    assert record["stages"][-1]["status"] == "stopped at the deadline"
+    with tarfile.open(fake_chunk.out / "mlm-taco.tar.gz") as tar:
+        report = json.load(tar.extractfile("mlm-taco/mlm/glue.json"))
+    assert report["tasks"]["cola"]["training_step"] == 3000
+
+
+def test_no_working_cuda_gpu_stops_the_chunk_before_any_stage(fake_chunk, monkeypatch):
+    fake_chunk.check_device = True
+    check = lambda **info: f"import json; print('CHECK ' + json.dumps({dict(torch='2', cuda='12', **info)!r}))"
+    for info in (dict(cuda_available=False), dict(cuda_available=True, matmul_finite=False)):
+        monkeypatch.setattr(device_run, "CHECK", check(**info))
+        code, record, calls, _ = fake_chunk("mlm-taco", {})
+        assert code == 1 and not calls and record["stages"] == [] and not record["finished"], info
+        assert record["error"].startswith("no working CUDA GPU (torch 2, CUDA 12)"), record["error"]
+    monkeypatch.setattr(device_run, "CHECK", "import no_such_module_here")  # the check itself fails
+    code, record, calls, _ = fake_chunk("mlm-taco", {})
+    assert code == 1 and not calls and "the device check failed" in record["error"] and "no_such_module_here" in \
+        record["error"]
+    monkeypatch.setattr(device_run, "CHECK", check(cuda_available=True, matmul_finite=True) + "; raise SystemExit(3)")
+    code, record, calls, _ = fake_chunk("mlm-taco", {})  # a check that ends badly after its line
+    assert code == 1 and not calls and "the device check failed" in record["error"]
+    monkeypatch.setattr(device_run, "CHECK", check(cuda_available=True, matmul_finite=True))
+    code, record, calls, _ = fake_chunk("mlm-taco", {})
+    assert code == 0 and len(calls) == 4 and record["device"]["matmul_finite"] is True
+    monkeypatch.setattr(device_run, "CHECK", check(cuda_available=False))  # the toy scale runs on the CPU
+    assert fake_chunk("mlm-taco", {}, "--toy")[0] == 0
+
+
+def test_a_sigterm_to_the_command_ends_it_with_what_is_done_packed(fake_chunk):
+    # the device tool's kill at its limit (or a Ctrl-C): the stage in flight ends (run_stage passes the signal on),
+    # the archive says so, and the command exits 1
+    signal.signal(signal.SIGTERM, lambda *a: None)  # run() must make SIGTERM a KeyboardInterrupt itself
+
+    def killed(call):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(2)  # the signal interrupts this
+        return 1
+    code, record, calls, packs = fake_chunk("mlm-taco", {"pretrain taco": killed})
+    assert code == 1 and record["error"] == "interrupted" and not record["finished"]
+    assert [(s["name"], s.get("status")) for s in record["stages"]] == [("pretrain mlm", "done"),
+                                                                       ("pretrain taco", None)]
+
+
+# ---------------------------------------------------------------------------------------------
+# run_stage: real processes
+
+
+def test_a_stage_is_stopped_at_its_deadline_and_packed_while_it_runs(tmp_path, monkeypatch):
+    monkeypatch.setattr(device_run, "GRACE", 5.0)
+    monkeypatch.setattr(device_run, "PACK_EVERY", 0.3)
+    lines, packs = [], []
+    saves = ("import signal, sys, time\n"
+             "signal.signal(signal.SIGTERM, lambda *a: (print('saved', flush=True), sys.exit(143)))\n"
+             "print('started', flush=True); time.sleep(60)")
+    t0 = time.time()
+    code, stopped = device_run.run_stage([sys.executable, "-c", saves], dict(os.environ), lines.append, None,
+                                         t0 + 1.2, lambda: packs.append(time.time()))
+    assert stopped and code == 143 and "saved\n" in lines
+    assert time.time() - t0 < 4  # at the deadline, not a grace period after it
+    assert len(packs) >= 2 and all(t0 + 0.3 < t < t0 + 4 for t in packs), [t - t0 for t in packs]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+def test_a_stage_deaf_to_sigterm_is_killed_with_its_children(tmp_path, monkeypatch):
+    # the stage is reproduce.py, whose eval.py and train.py run in its process group: SIGKILL reaches them all, or
+    # a GPU job outlives the command and the next call on the warm machine runs beside it
+    monkeypatch.setattr(device_run, "GRACE", 0.5)
+    deaf = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+    stage = (f"import subprocess, sys\nchild = subprocess.Popen([sys.executable, '-c', {deaf!r}])\n"
+             f"print(child.pid, flush=True)\n{deaf}")
+    lines = []
+    code, stopped = device_run.run_stage([sys.executable, "-c", stage], dict(os.environ), lines.append, None,
+                                         time.time() + 1.0, lambda: None)
+    child = int(next(line for line in lines if line.strip().isdigit()))
+
+    def alive(pid):
+        try:
+            return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+    try:
+        t0 = time.time()
+        while alive(child) and time.time() - t0 < 5:
+            time.sleep(0.1)
+        assert stopped and code == -signal.SIGKILL and not alive(child)
+    finally:
+        if alive(child):
+            os.kill(child, signal.SIGKILL)
+
+
+def test_an_interrupted_command_passes_the_stop_to_its_stage(monkeypatch):
+    # SIGTERM to device_run (a KeyboardInterrupt in run()) while a stage runs: the stage gets its stop signal and
+    # saves before device_run packs and exits
+    monkeypatch.setattr(device_run, "PACK_EVERY", 0.3)
+    monkeypatch.setattr(device_run, "GRACE", 5.0)
+
+    def interrupt():
+        raise KeyboardInterrupt
+    lines = []
+    saves = ("import signal, sys, time\n"
+             "signal.signal(signal.SIGTERM, lambda *a: (print('saved', flush=True), sys.exit(143)))\n"
+             "print('started', flush=True); time.sleep(60)")
+    t0 = time.time()
+    with pytest.raises(KeyboardInterrupt):
+        device_run.run_stage([sys.executable, "-c", saves], dict(os.environ), lines.append, None, time.time() + 60,
+                             interrupt)
+    assert "saved\n" in lines and time.time() - t0 < 4
+
+
+def make_wheel(folder, name, version, body="VALUE = 1\n"):
+    """A pure-Python wheel of one module, as pip takes it."""
+    import zipfile
+    info = f"{name}-{version}.dist-info"
+    path = os.path.join(folder, f"{name}-{version}-py3-none-any.whl")
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(f"{name}/__init__.py", body)
+        z.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{info}/RECORD", f"{name}/__init__.py,,\n{info}/METADATA,,\n{info}/WHEEL,,\n{info}/RECORD,,\n")
+    return path
+
+
+def test_missing_wheels_are_installed_where_every_stage_imports_them(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "path", list(sys.path))  # install_wheels puts the site first
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    wheels, site, lines = tmp_path / "wheels", str(tmp_path / "site"), []
+    wheels.mkdir()
+    make_wheel(str(wheels), "bertcl_fake_wheel", "1.0")
+    env, installed = device_run.install_wheels(str(wheels), site, lines.append)
+    assert installed == ["bertcl_fake_wheel-1.0-py3-none-any.whl"] and env["PYTHONPATH"].split(os.pathsep)[0] == site
+    child = subprocess.run([sys.executable, "-c", "import bertcl_fake_wheel as m; print(m.VALUE)"], env=env,
+                           capture_output=True, text=True, cwd=tmp_path)
+    assert child.stdout.strip() == "1", child.stderr  # each stage (and the device check) is such a child
+    # the same call on the warm machine: installed already, nothing to do
+    env, installed = device_run.install_wheels(str(wheels), site, lines.append)
+    assert installed == [] and lines[-1].startswith("wheels: installed none")
+    # a wheel pip refuses: the command stops there, saying which
+    (wheels / "bertcl_broken-1.0-py3-none-any.whl").write_bytes(b"not a zip")
+    with pytest.raises(RuntimeError, match="pip could not install bertcl_broken-1.0-py3-none-any.whl"):
+        device_run.install_wheels(str(wheels), site, lines.append)
+
+
+def test_each_chunks_stages_are_reproduce_calls_at_mini_scale_in_their_order(tmp_path):
+    (tmp_path / "glue").mkdir()
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "corpus.txt").write_text("text\n")
+    args = reproduce.argparse.Namespace(toy=False, steps=None, extra_steps=None, recipes="paper", glue_train_rows=None,
+                                        tokenizer=str(tmp_path / "tok"), data=str(tmp_path / "corpus.txt"),
+                                        glue_dir=str(tmp_path / "glue"))
+    for chunk in ("mlm-taco", "electra-cocolm", "tacl"):
+        stages = device_run.stage_commands(chunk, args, str(tmp_path / "work"))
+        assert [(name, optional) for name, _, optional in stages] == [
+            (name, bool(optional)) for name, _, *optional in device_run.CHUNKS[chunk]["stages"]]
+        for name, argv, _ in stages:
+            assert argv[1] == "reproduce.py", argv
+            parsed = reproduce.parse(argv[2:])  # what reproduce.py makes of it
+            assert (parsed.scale, parsed.steps, parsed.extra_steps, parsed.glue_train_rows) == (
+                "mini", 3000, 1000, 3000 if chunk == "electra-cocolm" else 8551), (chunk, name)
+            assert (parsed.tokenizer, parsed.data, parsed.glue_dir, parsed.out_dir) == (
+                args.tokenizer, args.data, args.glue_dir, str(tmp_path / "work"))
+    by_name = {name: reproduce.parse(argv[2:]) for name, argv, _ in device_run.stage_commands("tacl", args, "w")}
+    assert by_name["pretrain mlm"].runs == ["mlm", "tacl", "mlm_cont"]  # tacl's objectives: its start, its control
+    assert [(a.stages, a.selected) for a in by_name.values()] == [
+        (["pretrain"], ["mlm"]), (["continue"], ["mlm", "tacl", "mlm_cont"]),
+        (["analysis"], ["mlm", "tacl", "mlm_cont"]), (["glue"], ["tacl", "mlm_cont"]), (["glue"], ["mlm"])]
+
+
+# ---------------------------------------------------------------------------------------------
+# merge: archives packed here by pack() from hand-made work folders (the speed chunk: no reproduce.py runs)
+
+
+def speed_archive(tmp_path, name, sizes=("small", "base"), test_cuda="stopped at the deadline"):
+    """The speed chunk's archive as run() packs it: bench.py's JSON per size (small's MLM at 1,000,000 tokens/s,
+    base's at 300,000), a profiler trace, test_cuda.py's output."""
+    work = tmp_path / name / "work"
+    (work / "bench" / "profile").mkdir(parents=True)
+    for size in sizes:
+        rows = [dict(model_size=size, objective=o, params_m=29.1 if size == "small" else 110.1, step_ms=10.0,
+                     tokens_per_s=(1_000_000 if size == "small" else 300_000) // (1 + (o != "mlm")), vs_mlm=1.0)
+                for o in ("mlm", "hf-mlm")]
+        (work / "bench" / f"bench_{size}.json").write_text(json.dumps(dict(info=dict(command=f"bench {size}"),
+                                                                            results=rows, hf_ratios=[])))
+    with open(work / "bench" / "profile" / "trace.json.gz", "wb") as f:
+        f.write(b"trace")
+    (work / "test_cuda.out").write_text("....\n4 passed in 50.0s\n")
+    stages = [dict(name="bench small", status="done", wall_s=150.0, optional=False),
+              dict(name="bench base", status="done", wall_s=140.0, optional=False),
+              dict(name="test_cuda", status=test_cuda, wall_s=61.0, optional=False)]
+    record = dict(chunk="speed", title=device_run.CHUNKS["speed"]["title"], scale="mini", command="python x",
+                  device=dict(gpu="H100", torch="2.5", cuda="12.4"), source=dict(commit="a" * 40, dirty=False),
+                  estimate_s=device_run.estimate("speed"), setup_s=7.0, stages=stages,
+                  finished=test_cuda == "done", total_s=370.0)
+    (tmp_path / name / "out").mkdir()
+    return device_run.pack("speed", str(work), str(tmp_path / name / "out"), record)
+
+
+def test_a_merged_speed_chunk_is_reported_from_its_own_files_and_replaced_whole_when_merged_again(tmp_path):
+    into = tmp_path / "mini"
+    assert device_run.main(["merge", speed_archive(tmp_path, "first"), "--into", str(into)]) == 0
+    text = (into / "results.md").read_text()
+    assert "| `speed` | Speed like for like against Hugging Face | partial: 2/3 stages | H100 | 2.5 / 12.4 |" in text
+    assert "| `mlm-taco` | MLM against TACO at equal steps | **not run yet** |" in text
+    # each size's table from its own bench_SIZE.json
+    small, base = text.index("`bench small`"), text.index("`bench base`")
+    assert small < text.index("| small | mlm | 29.1 | 1,000,000 |") < base
+    assert base < text.index("| base | mlm | 110.1 | 300,000 |")
+    # each stage's estimate beside what it took
+    assert f"| `speed` | bench small | {device_run.estimate('speed')['bench small']:.0f} s | 150 s | done |" in text
+    assert "| `speed` | setup | 8 s | 7 s | |" in text
+    assert "test_cuda.py (in-process checks, at most 60 s): stopped at the deadline; pytest: 4 passed in 50.0s" in text
+    assert not (into / "speed" / "bench" / "profile" / "trace.json.gz").exists()  # traces stay in the archive
+    # merged again, from a run that measured small only: the chunk's folder is the new archive's, whole
+    again = speed_archive(tmp_path, "second", sizes=("small",), test_cuda="done")
+    assert device_run.main(["merge", again, "--into", str(into)]) == 0
+    assert not (into / "speed" / "bench" / "bench_base.json").exists()
+    text = (into / "results.md").read_text()
+    assert "bench base: not run." in text
+    assert "| `speed` | Speed like for like against Hugging Face | finished |" in text
+    # no archives: the report is rebuilt from every chunk already in the folder
+    (into / "results.md").unlink()
+    assert device_run.main(["merge", "--into", str(into)]) == 0
+    assert (into / "results.md").read_text() == text
+
+
+def mlm_results(loss, tokens_per_s, glue_avg, steps=3000):
+    """(reproduce.collect's results, plots) of a chunk whose MLM run has these numbers."""
+    mlm = dict(steps=steps, tokens_per_step=32768, tokens_per_s=tokens_per_s,
+               final=dict(val_mlm_loss=loss, val_mlm_acc=0.5, contextual_score=0.25),
+               glue_by_recipe={"paper": dict(avg=glue_avg)})
+    return dict(scale="mini", seed=1337, recipes=["paper"], runs={"mlm": mlm}), []
+
+
+def test_the_mlm_run_of_two_chunks_is_compared_only_on_the_same_corpus_and_tokenizer():
+    data = dict(corpus={"AA.txt.xz": 100, "AB.txt.xz": 200}, tokenizer_sha256="t" * 64)
+    records = {"mlm-taco": dict(data=data, device=dict(gpu="H100")), "tacl": dict(data=data, device=dict(gpu="H200"))}
+    results = {"mlm-taco": mlm_results(2.0, 1.0e6, 70.0), "tacl": mlm_results(2.5, 1.2e6, 71.5)}
+    text = "\n".join(device_run.reproducibility(records, results))
+    assert "machines: H100 and H200" in text and "| MLM run | `mlm-taco` | `tacl` | difference |" in text
+    # the first chunk's number, the second's, the second less the first
+    assert "| held-out MLM loss | 2.0000 | 2.5000 | 0.5000 |" in text
+    assert "| tokens/s | 1000000 | 1200000 | 200000 |" in text
+    assert "| GLUE Avg, paper recipe | 70.00 | 71.50 | 1.50 |" in text
+    for key, other, needle in (("corpus", {"AA.txt.xz": 100}, "its corpus"),
+                               ("tokenizer_sha256", "u" * 64, "its tokenizer_sha256")):
+        for changed in ("mlm-taco", "tacl"):
+            diverged = {c: dict(r, data=dict(data, **{key: other}) if c == changed else data)
+                        for c, r in records.items()}
+            text = "\n".join(device_run.reproducibility(diverged, results))
+            assert f"Not comparable: the two MLM runs differ in {needle}." in text and "| held-out" not in text
+    shorter = {**results, "tacl": mlm_results(2.5, 1.2e6, 71.5, steps=2000)}
+    text = "\n".join(device_run.reproducibility(records, shorter))
+    assert "Not comparable: the two MLM runs differ in steps." in text
+    assert device_run.reproducibility({"tacl": records["tacl"]}, {"tacl": results["tacl"]}) == []
+
+
+def test_a_copy_is_made_again_only_when_its_source_changed(tmp_path):
+    src, dst = tmp_path / "src.txt", tmp_path / "copy" / "dst.txt"
+    src.write_text("abc")
+    device_run.copy_if_changed(str(src), str(dst))
+    assert dst.read_text() == "abc"
+    stamp = dst.stat().st_ino, dst.stat().st_mtime_ns
+    device_run.copy_if_changed(str(src), str(dst))
+    assert (dst.stat().st_ino, dst.stat().st_mtime_ns) == stamp  # unchanged: not copied again
+    src.write_text("xyz")  # the same size, written later
+    os.utime(src, ns=(dst.stat().st_mtime_ns + 10**9,) * 2)
+    device_run.copy_if_changed(str(src), str(dst))
+    assert dst.read_text() == "xyz"
+    src.write_text("longer")
+    os.utime(src, ns=(dst.stat().st_mtime_ns - 10**9,) * 2)  # older, but another size
+    device_run.copy_if_changed(str(src), str(dst))
+    assert dst.read_text() == "longer"
+
+
+def test_the_tree_that_travels_counts_shared_and_the_carried_folder_once_whatever_git_says(tmp_path):
+    # the device tool copies shared/ even where git ignores it, and the carried folders though git ignores them
+    repo = tmp_path / "repo"
+    git_repo(repo)
+    (repo / "shared").mkdir()
+    (repo / "shared" / "data.bin").write_bytes(b"x" * 1000)
+    (repo / ".repro_data").mkdir()
+    (repo / ".repro_data" / "c.txt").write_bytes(b"y" * 300)
+    (repo / "untracked.py").write_bytes(b"z" * 50)
+    files = sum(os.path.getsize(repo / f) for f in ("a.py", ".gitignore"))
+    assert device_run.TRAVEL_LIMIT == 64 * 2**20  # the device tool's limit: MiB, not MB
+    sizes = device_run.tree_size(str(repo), [device_run.DATA_DIR])
+    assert sizes == {"tracked and untracked files": files + 50, "shared/": 1000, ".repro_data/": 300}
+    (repo / ".gitignore").write_text(".repro_data/\n.whl/\nshared/\n")
+    assert device_run.tree_size(str(repo), [device_run.DATA_DIR])["shared/"] == 1000
+
+
+def test_without_git_code_changed_since_prepare_is_reported_as_uncommitted_changes(tmp_path, monkeypatch):
+    (tmp_path / "source.json").write_text(json.dumps(dict(commit="abc123", dirty=False, files=["model.py"],
+                                                          sha256="0" * 64)))  # not model.py's bytes now
+    monkeypatch.setattr(device_run, "DATA_DIR", str(tmp_path))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    record = device_run.source_provenance()
+    assert record["commit"] == "abc123" and record["dirty"] is True and record["read_from"] == "prepare's source.json"
+
+
+def test_prepare_refuses_a_tree_over_the_limit_once_the_tokenizer_is_trained(tmp_path, monkeypatch):
+    # prepare counts the tokenizer as 2 MiB before it trains it: a larger one is caught by the tree measured after
+    repo, shared = tmp_path / "repo", tmp_path / "shared"
+    git_repo(repo)
+    fake_shared(shared, 2000)
+
+    def tokenizer(corpus_dir, out, vocab_size):
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "tokenizer.json"), "wb") as f:
+            f.write(b"t" * (3 * 2**20))
+    monkeypatch.setattr(device_run, "train_tokenizer", tokenizer)
+    files = [*(shared / device_run.CORPUS).iterdir(), *(shared / device_run.GLUE).rglob("*.tsv"),
+             *(shared / "wheels").iterdir()]
+    before = sum(device_run.tree_size(str(repo), [device_run.DATA_DIR]).values()) + sum(f.stat().st_size for f in files)
+    monkeypatch.setattr(device_run, "TRAVEL_LIMIT", before + int(2.5 * 2**20))  # fits with 2 MiB, not with 3
+    with pytest.raises(SystemExit, match=r"error: the tree that travels is \d+\.\d MiB, over the device tool's"):
+        device_run.main(["prepare", "--shared", str(shared), "--root", str(repo)])

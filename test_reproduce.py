@@ -848,3 +848,83 @@ def test_recipes_are_eval_pys_and_each_has_its_own_glue(tmp_path):
     for argv, message in ((["--recipes", "paper,long"], "unknown GLUE recipe 'long'"),
                           (["--only", "glue,uniform"], "--only uniform: not one of --recipes paper")):
         assert message in reproduce_error(["--out_dir", str(tmp_path / "other"), *argv], tmp_path)
+
+
+def test_tacl_and_its_control_continue_from_the_mlm_run_pretrained_first_and_glue_waits_for_all(tmp_path):
+    (tmp_path / "tok").mkdir()
+    proc, calls = fake_reproduce(tmp_path, "--objectives", "tacl", "--tasks", "cola", "--tokenizer",
+                                 str(tmp_path / "tok"))
+    assert proc.returncode == 0, proc.stderr
+    out = tmp_path / "repro"
+    flag = lambda call, name: call[call.index(name) + 1] if name in call else None
+    kinds = [("train", flag(c, "--objective"), flag(c, "--out_dir")) if c[0] == "train.py" else
+             ("analysis", *c[c.index("--model") + 1:c.index("--out")]) if "--analysis" in c else
+             ("glue", flag(c, "--model")) for c in calls]
+    runs = [str(out / r) for r in ("mlm", "tacl", "mlm_cont")]
+    assert kinds == [("train", "mlm", runs[0]), ("train", "tacl", runs[1]), ("train", "mlm", runs[2]),
+                     *(("glue", r) for r in runs), ("analysis", *runs)]
+    mlm, tacl, control = calls[:3]
+    assert flag(mlm, "--init_from") is None and flag(mlm, "--max_steps") == "20" and flag(mlm, "--tokenizer")
+    for run in (tacl, control):  # the same recipe for both: from the mlm run, its tokenizer, their own steps and lr
+        assert flag(run, "--init_from") == str(out / "mlm") and "--tokenizer" not in run
+        assert (flag(run, "--max_steps"), flag(run, "--warmup_steps"), flag(run, "--lr")) == (
+            "10", "1", str(reproduce.SCALES["toy"]["continue_lr"]))
+
+
+def test_the_analysis_and_the_report_cover_every_finished_run_when_only_one_is_named(tmp_path):
+    out = repro_dir(tmp_path)
+    make_run(out, "mlm", 20)
+    make_run(out, "taco", 20)
+    proc, calls = fake_reproduce(tmp_path, "--objectives", "mlm,taco", "--only", "taco")
+    assert proc.returncode == 0, proc.stderr
+    assert [c[c.index("--model") + 1] for c in called(calls, "glue")] == [str(out / "taco")]  # GLUE: the run named
+    assert [c[c.index("--model") + 1:c.index("--out")] for c in called(calls, "analysis")] == [
+        [str(out / "mlm"), str(out / "taco")]]  # the analysis compares them all
+    assert set(json.loads((out / "results.json").read_text())["runs"]) == {"mlm", "taco"}
+
+
+def test_glue_scored_with_other_seeds_or_on_another_export_is_not_done(tmp_path):
+    run = make_run(tmp_path, "mlm", 20)
+    (run / "glue.json").write_text(glue_json(cola=20, stsb=20))
+    assert reproduce.glue_todo(str(run), ["cola", "stsb"], ["1", "2"]) == []
+    assert reproduce.glue_todo(str(run), ["cola", "stsb"], ["1", "3"]) == ["cola", "stsb"]
+    (run / "glue.json").write_text(glue_json(cola=20, stsb=10))
+    assert reproduce.glue_todo(str(run), ["cola", "stsb"], ["1", "2"]) == ["stsb"]
+
+
+def test_a_run_killed_before_its_first_checkpoint_starts_over_in_an_empty_folder(tmp_path):
+    # nothing to resume: what it left (its log, an export train.py would refuse to overwrite) goes, or the new
+    # run's log would carry the old one's records
+    out = repro_dir(tmp_path)
+    run = out / "mlm"
+    run.mkdir()
+    (run / "log.jsonl").write_text(json.dumps({"config": {"objective": "mlm"}}) + "\n" +
+                                   json.dumps({"step": 5, "loss": 9.0, "elapsed_s": 1.0}) + "\n")
+    (run / "config.json").write_text(json.dumps({"training_step": 5}))
+    proc, calls = fake_reproduce(tmp_path, "--objectives", "mlm", "--only", "pretrain")
+    assert proc.returncode == 0 and "--resume" not in calls[0], proc.stderr
+    assert len((run / "log.jsonl").read_text().splitlines()) == 2  # the new run's header and step only
+
+
+def test_glue_jobs_is_the_most_calls_running_at_once(tmp_path):
+    # each call counts the calls alive beside it (a file each, while it sleeps)
+    child = ("import os, sys, time\n"
+             "mine = os.path.join(sys.argv[1], str(os.getpid())); open(mine, 'w').close(); time.sleep(0.6)\n"
+             "print(len(os.listdir(sys.argv[1])), flush=True); os.remove(mine)")
+    (tmp_path / "alive").mkdir()
+    calls = [([sys.executable, "-c", child, str(tmp_path / "alive")], str(tmp_path / f"{i}.out"), None, lambda: None)
+             for i in range(3)]
+    reproduce.run_parallel(calls, 2, None)
+    assert max(int((tmp_path / f"{i}.out").read_text()) for i in range(3)) == 2
+
+
+def test_a_sigterm_to_reproduce_reaches_the_running_call_which_saves_its_step(tmp_path, capsys):
+    # the device tool's deadline (device_run.py's SIGTERM): passed on to train.py, which saves before it exits
+    child = ("import os, signal, sys, time\n"
+             "signal.signal(signal.SIGTERM, lambda *a: (print('saved', flush=True), sys.exit(143)))\n"
+             "time.sleep(0.5); os.kill(os.getppid(), signal.SIGTERM); time.sleep(30)")  # once run_cmd holds it
+    t0 = time.time()
+    with pytest.raises(SystemExit) as exit_info:
+        reproduce.run_cmd([sys.executable, "-c", child, "train.py"], str(tmp_path / "out.log"), False)
+    assert exit_info.value.code == 128 + signal.SIGTERM and time.time() - t0 < 10
+    assert (tmp_path / "out.log").read_text() == "saved\n" and "train.py exited 143" in capsys.readouterr().err
