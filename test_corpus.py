@@ -311,9 +311,9 @@ def test_a_token_file_is_on_disk_before_its_rename(tok_dir, tmp_path, monkeypatc
     path = tmp_path / "a.txt"
     path.write_text(_wikiextractor_text())
     events, real_fsync, real_replace = [], os.fsync, os.replace
-    monkeypatch.setattr(token_files.os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
-                                                             real_fsync(fd)))
-    monkeypatch.setattr(token_files.os, "replace", lambda a, b: (events.append(("replace", str(a))), real_replace(a, b)))
+    fd_name = lambda fd: os.readlink(f"/proc/self/fd/{fd}")
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", fd_name(fd))), real_fsync(fd)))
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", str(a))), real_replace(a, b)))
     _stream(tok_dir, path, tmp_path)
     bins = [(what, name) for what, name in events if ".bin.tmp" in name]
     assert [what for what, _ in bins] == ["fsync", "replace"] and bins[0][1] == bins[1][1]

@@ -57,14 +57,17 @@ def test_only_missing_wheels_are_installed(tmp_path):
     assert device_run.missing_wheels(str(tmp_path / "absent")) == []
 
 
+# a stage that prints, then sleeps until a SIGTERM makes it "save" and exit 143, as a training run does
+SAVES_ON_SIGTERM = ("import signal, sys, time\n"
+                    "signal.signal(signal.SIGTERM, lambda *a: (print('saved', flush=True), sys.exit(143)))\n"
+                    "print('started', flush=True); time.sleep(60)")
+
+
 def test_a_stage_gets_sigterm_at_the_deadline_then_sigkill(tmp_path, monkeypatch):
     monkeypatch.setattr(device_run, "GRACE", 1.0)
     lines, packs = [], []
-    saves = ("import signal, sys, time\n"
-             "signal.signal(signal.SIGTERM, lambda *a: (print('saved', flush=True), sys.exit(143)))\n"
-             "print('started', flush=True); time.sleep(60)")
     t0 = time.time()
-    code, stopped = device_run.run_stage([sys.executable, "-c", saves], dict(os.environ), lines.append,
+    code, stopped = device_run.run_stage([sys.executable, "-c", SAVES_ON_SIGTERM], dict(os.environ), lines.append,
                                          str(tmp_path / "a.out"), time.time() + 1.5, lambda: packs.append(1))
     assert stopped and code == 143 and time.time() - t0 < 10
     assert "saved\n" in lines and (tmp_path / "a.out").read_text() == "started\nsaved\n"
@@ -560,11 +563,8 @@ def test_a_stage_is_stopped_at_its_deadline_and_packed_while_it_runs(tmp_path, m
     monkeypatch.setattr(device_run, "GRACE", 5.0)
     monkeypatch.setattr(device_run, "PACK_EVERY", 0.3)
     lines, packs = [], []
-    saves = ("import signal, sys, time\n"
-             "signal.signal(signal.SIGTERM, lambda *a: (print('saved', flush=True), sys.exit(143)))\n"
-             "print('started', flush=True); time.sleep(60)")
     t0 = time.time()
-    code, stopped = device_run.run_stage([sys.executable, "-c", saves], dict(os.environ), lines.append, None,
+    code, stopped = device_run.run_stage([sys.executable, "-c", SAVES_ON_SIGTERM], dict(os.environ), lines.append, None,
                                          t0 + 1.2, lambda: packs.append(time.time()))
     assert stopped and code == 143 and "saved\n" in lines
     assert time.time() - t0 < 4  # at the deadline, not a grace period after it
@@ -608,13 +608,10 @@ def test_an_interrupted_command_passes_the_stop_to_its_stage(monkeypatch):
     def interrupt():
         raise KeyboardInterrupt
     lines = []
-    saves = ("import signal, sys, time\n"
-             "signal.signal(signal.SIGTERM, lambda *a: (print('saved', flush=True), sys.exit(143)))\n"
-             "print('started', flush=True); time.sleep(60)")
     t0 = time.time()
     with pytest.raises(KeyboardInterrupt):
-        device_run.run_stage([sys.executable, "-c", saves], dict(os.environ), lines.append, None, time.time() + 60,
-                             interrupt)
+        device_run.run_stage([sys.executable, "-c", SAVES_ON_SIGTERM], dict(os.environ), lines.append, None,
+                             time.time() + 60, interrupt)
     assert "saved\n" in lines and time.time() - t0 < 4
 
 
