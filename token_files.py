@@ -23,8 +23,9 @@ What it guarantees:
 - a token file is reused only when it has the size and checksum its sidecar records, and the sidecar is
   written last: a truncated, corrupted or half-written cache is rebuilt (and says so), never trained on;
   a cached tokenizer with an unreadable or inconsistent file is trained again;
-- every file appears whole (a temporary file, on disk, then os.replace): a kill or a power cut never leaves
-  a partial file under its real name, and what killed writers left is removed by the next run that takes the lock;
+- every file appears whole (a temporary file, on disk, then os.replace): a kill or a power cut never
+  leaves a partial file under its real name, and what killed writers left is removed by the next run that
+  takes the lock;
 - concurrent runs on one cache do not corrupt it: the second waits on an OS lock (released however its
   holder dies), then finds the files made; a read-only cache is read without a lock;
 - editing, touching or replacing a data file, or changing the tokenizer, gives a new key (a file's path, size,
@@ -307,10 +308,12 @@ def cached_tokenizer(dir):
 def tokenize(tok, parts, path, dtype, sep, data):
     """Encode the corpus (corpus.load_corpus's parts) into `path` (atomically), one `sep` id between
     documents, then write its sidecar; returns the number of tokens."""
-    t0, tmp, n = time.time(), f"{path}.tmp{os.getpid()}", 0
+    t0, n = time.time(), 0
     # disable=None: a bar on a terminal, nothing in logs and captured output
     bar = tqdm(total=sum(len(ds) for _, ds, _ in parts), unit="rows", desc="tokenizing", disable=None)
-    try:
+
+    def write(tmp):
+        nonlocal n
         with open(tmp, "wb") as f:
             for pieces in corpus.pieces(parts, bar):
                 # encode_batch_fast runs on every core and skips the offsets we don't need
@@ -320,16 +323,11 @@ def tokenize(tok, parts, path, dtype, sep, data):
                 arr = np.fromiter(ids, dtype=dtype)
                 f.write(arr.tobytes())
                 n += len(arr)
-            f.flush()
-            os.fsync(f.fileno())  # on disk before the rename (hf_io.replace_atomic): a power cut leaves no zeroed file
-    except BaseException:  # a bad row or Ctrl-C leaves no partial file (a SIGKILL's: the next making removes it)
-        Path(tmp).unlink(missing_ok=True)  # none if open failed (a read-only cache): the error says why, not this
-        raise
+        if n == 0:
+            raise ValueError(f"no text in {data}")
+    # on disk, then renamed; a bad row or Ctrl-C leaves no partial file (a SIGKILL's: the next making removes it)
+    hf_io.replace_atomic(str(path), write, tmp=f"{path}.tmp{os.getpid()}")
     bar.close()
-    if n == 0:
-        os.remove(tmp)
-        raise ValueError(f"no text in {data}")
-    os.replace(tmp, path)
     # the sidecar comes last: a run killed before this line leaves a .bin that cache_ok rejects
     write_atomic(sidecar(path), json.dumps({"bytes": path.stat().st_size, "checksum": checksum(path)}))
     print(f"tokenized {data} into {n:,} tokens in {time.time() - t0:.1f}s -> {path}")
