@@ -8,7 +8,8 @@ It guarantees (test_reliability.py and test_train.py hold it to each):
   when the two disagree (a run killed between them); a failed save or log write (a full disk) is one line
   and keeps the last good one;
 - a resume reads its own tokenizer and refuses other data (a fingerprint of the token streams), as a run
-  refuses ranks that read other tokens than rank 0 (a node's own copy of --data or --cache_dir);
+  refuses ranks that read other tokens than rank 0 (a node's own copy of --data or --cache_dir) or run
+  other code (a node's own checkout, edited; another torch);
 - every segment of a run records the code that ran (git commit, code.diff of local changes), torch, host;
 - bad input is one `error:` line and exit 2 (once, from rank 0 under torchrun), nothing saved is touched.
 """
@@ -243,6 +244,17 @@ def data_fingerprint(train_tokens, val_tokens):
     return f"{len(train_tokens)}+{len(val_tokens)} tokens, sha1 {h.hexdigest()[:16]}"
 
 
+def code_fingerprint():
+    """{file: sha1} of this project's modules (every .py file beside this one but the tests) and torch's version."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = {"torch": torch.__version__}
+    for name in sorted(os.listdir(here)):
+        if name.endswith(".py") and not name.startswith("test_") and name != "conftest.py":
+            with open(os.path.join(here, name), "rb") as f:
+                code[name] = hashlib.sha1(f.read()).hexdigest()[:12]
+    return code
+
+
 def repair_log(path):
     """A run killed mid-write leaves a partial last line in log.jsonl: drop it, so the next record
     starts on its own line. A whole record that lacks only its newline is kept and ended."""
@@ -361,9 +373,19 @@ class Run:
         if ckpt and ckpt.get("data", fingerprint) != fingerprint:  # (checkpoints before this check have none)
             raise ValueError(f"--resume {cfg.out_dir}: --data {cfg.data} is not the data this run was trained on "
                              f"(then {ckpt['data']}, now {fingerprint}): the files were edited, replaced or moved")
-        # nodes that read their own copy of --data (or their own --cache_dir) must have read the same tokens
-        others = {r: f for r, f in enumerate(distributed.every_rank(layout, fingerprint)) if f != fingerprint}
+        # every node runs the same code (an ablation's edit on one node would mix two objectives in one run)
+        # and, with its own copy of --data or its own --cache_dir, has read the same tokens
+        code = code_fingerprint()
+        ranks = distributed.every_rank(layout, (code, fingerprint))
+        others = {r: c for r, (c, _) in enumerate(ranks) if c != code}
         if others:  # every rank raises; rank 0 and each other node's first process say why
+            theirs = others[min(others)]
+            differ = sorted(name for name in code.keys() | theirs.keys() if code.get(name) != theirs.get(name))
+            raise ValueError(f"rank(s) {', '.join(map(str, others))} run other code than rank {layout.rank} "
+                             f"(on rank {min(others)}, other {', '.join(differ)}): every node needs the same "
+                             f"checkout of this project and the same torch")
+        others = {r: f for r, (_, f) in enumerate(ranks) if f != fingerprint}
+        if others:
             raise ValueError(f"--data {cfg.data}: rank(s) {', '.join(map(str, others))} read other data than rank "
                              f"{layout.rank} ({fingerprint}; rank {min(others)}: {others[min(others)]}): every node "
                              f"needs the same data files and tokenizer")

@@ -393,16 +393,17 @@ def free_port():
 @pytest.mark.slow
 def test_two_nodes_with_their_own_data_and_cache(corpus, tmp_path):
     # torchrun across two "nodes" on this machine, each with its own copy of the corpus and its own --cache_dir:
-    # node 1 trains the same tokenizer and tokenizes the same stream itself; a copy that differs stops the run
-    def two_nodes(node1_data, out):
+    # node 1 trains the same tokenizer and tokenizes the same stream itself; a copy that differs stops the run,
+    # and so does a checkout of node 1's own whose losses.py was edited
+    def two_nodes(node1_data, out, node1_code=HERE):
         port, procs = free_port(), []
-        for node, data in ((0, corpus), (1, node1_data)):
+        for node, data, code in ((0, corpus, HERE), (1, node1_data, node1_code)):
             flags = common(corpus, tmp_path, out=out, data=data, cache_dir=tmp_path / f"cache{node}_{out}",
                            max_steps=2, warmup_steps=1, ckpt_interval=2, eval_interval=100)
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",
                  "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}", "train.py",
-                 *map(str, flags)], cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                 *map(str, flags)], cwd=code, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                 env={**os.environ, "OMP_NUM_THREADS": "1"}))
         return [(p.wait(timeout=300), p.communicate()[1]) for p in procs]
 
@@ -420,6 +421,18 @@ def test_two_nodes_with_their_own_data_and_cache(corpus, tmp_path):
     assert errors[0].startswith("error: --data") and "rank(s) 1 read other data than rank 0" in errors[0]
     assert "error (rank 1): --data" in err1  # node 1's first process says so too
     assert not (tmp_path / "other").exists()  # stopped before anything was written
+    checkout = tmp_path / "checkout1"
+    checkout.mkdir()
+    for module in HERE.glob("*.py"):
+        (checkout / module.name).write_text(module.read_text())
+    with open(checkout / "losses.py", "a") as f:
+        f.write("# an ablation's edit on node 1 only\n")
+    (code0, err0), (code1, err1) = two_nodes(corpus, "edited", node1_code=checkout)
+    errors = [line for line in err0.splitlines() if line.startswith("error")]
+    assert code0 != 0 and code1 != 0 and errors == [
+        "error: rank(s) 1 run other code than rank 0 (on rank 1, other losses.py): every node needs the same "
+        "checkout of this project and the same torch"], err0[-2000:]
+    assert not (tmp_path / "edited").exists()
 
 
 # ---- bad input: one clear line, non-zero exit, nothing saved lost
@@ -585,6 +598,28 @@ def test_rank0_prepares_the_data_first_and_every_rank_leaves_together(monkeypatc
     monkeypatch.setattr(dist, "barrier", stopped)
     with pytest.raises(ValueError, match="rank 0 stopped while preparing the data"):
         distributed.rank0_first(layout, lambda: None)
+
+
+def test_every_rank_runs_the_same_code_and_read_the_same_tokens(monkeypatch, tmp_path):
+    # Run() gathers each rank's (code, data) fingerprints: a node whose checkout differs in one module (an
+    # ablation's edit), runs another torch, or read other tokens stops every rank, naming what differs
+    import distributed
+    code, cfg = rundir.code_fingerprint(), config.TrainConfig(out_dir=str(tmp_path / "out"))
+    assert {"torch", "losses.py", "model.py", "train.py", "rundir.py"} <= code.keys()
+    assert not any(name.startswith("test_") for name in code) and code == rundir.code_fingerprint()
+    layout = distributed.Layout(ddp=True, rank=0, world=3, device="cpu")
+    peers = {}
+    monkeypatch.setattr(distributed, "every_rank", lambda layout, mine: [mine, *peers["values"]])
+    edited, other_torch = {**code, "losses.py": "0" * 12}, {**code, "torch": "2.0.0"}
+    cases = [([(code, "A"), (edited, "A")], r"rank\(s\) 2 run other code than rank 0 \(on rank 2, other losses.py\)"),
+             ([(other_torch, "A"), (edited, "B")], r"rank\(s\) 1, 2 run other code .*\(on rank 1, other torch\)"),
+             ([(code, "B"), (code, "A")], r"rank\(s\) 1 read other data than rank 0 \(A; rank 1: B\)")]
+    for values, message in cases:
+        peers["values"] = values
+        with pytest.raises(ValueError, match=message):
+            rundir.Run(cfg, layout, None, "A")
+    peers["values"] = [(code, "A"), (dict(code), "A")]
+    assert rundir.Run(cfg, layout, None, "A").fingerprint == "A"
 
 
 def test_ranks_agree_on_the_logged_mean_the_first_bad_step_and_a_stop(monkeypatch):
