@@ -64,9 +64,9 @@ SCALES = {
         env={"OMP_NUM_THREADS": "1"}),
     # A 2-core CPU, about 2 hours (114 minutes measured, docs/reproduction.md): the smoke model (2 x 128) for 5,000 steps
     # of 2,048 tokens (10M) on real text (pass --data, e.g. a Wikipedia shard: the bundled sample is 0.3M
-    # tokens), TaCL and its control for 1,000 more, GLUE as mini. Every objective end to end on real data;
-    # at this size the detectors do not beat their trivial baseline (docs/detectors.md) and GLUE differences are mostly
-    # noise.
+    # tokens), TaCL and its control for 1,000 more, GLUE as mini on 3,000 train rows. Every objective end to end
+    # on real data; at this size the detectors do not beat their trivial baseline (docs/detectors.md) and GLUE
+    # differences are mostly noise.
     "cpu": dict(
         train=["--preset", "smoke", "--log_interval", "100", "--eval_interval", "500", "--eval_batches", "8",
                "--ckpt_interval", "1000"],
@@ -80,9 +80,9 @@ SCALES = {
     # A short schedule wants a higher peak lr than TACO's 1e-4 at 250k steps: 5e-4 (ELECTRA-small's)
     # with 10% warm-up. TaCL and its MLM control continue for 1,000 steps at TaCL's lr 1e-4. Held-out
     # numbers every 250 steps: 13 points on each curve.
-    # GLUE: the five small tasks, 2 seeds, both Table 7's recipe and the short one (Table 7's can leave a
-    # briefly pretrained model's classifier where it started), train sets capped at CoLA's 8,551 rows: CoLA,
-    # MRPC, STS-B and RTE whole, SST-2's 67k cut to as many. device_run.py's budget says what it costs.
+    # GLUE: the five small tasks, 2 seeds, Table 7's recipe (below: why not the short one), train sets capped
+    # at CoLA's 8,551 rows: CoLA, MRPC, STS-B and RTE whole, SST-2's 67k cut to as many. device_run.py's
+    # budget says what it costs.
     "mini": dict(
         train=["--preset", "small", "--seq_len", "128", "--batch_size", "256", "--tokens_per_step", "32768",
                "--lr", "5e-4", "--log_interval", "50", "--eval_interval", "250",

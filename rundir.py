@@ -11,7 +11,8 @@ It guarantees (test_reliability.py and test_train.py hold it to each):
   refuses ranks that read other tokens than rank 0 (a node's own copy of --data or --cache_dir) or run
   other code (a node's own checkout, edited; another torch);
 - every segment of a run records the code that ran (git commit, code.diff of local changes), torch, host;
-- bad input is one `error:` line and exit 2 (once, from rank 0 under torchrun), nothing saved is touched.
+- bad input is one `error:` line and exit 2 (under torchrun from rank 0, plus one `error (rank N):` line from
+  each other node's first process and from a rank that alone meets it), nothing saved is touched.
 """
 import hashlib
 import json
