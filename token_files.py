@@ -10,7 +10,8 @@ it), or a hub name (bert-base-uncased); save_tokenizer's directories load in tra
 
 Files in cache_dir (their names are part of the format: existing caches stay valid while they hold):
 - tokens-<key>.<dtype>.bin, the stream, and its sidecar tokens-<key>.<dtype>.json {"bytes", "checksum"};
-  key = the data files (path, size, mtime) or the hub name, FORMAT_VERSION and the tokenizer's JSON;
+  key = the data files (path, size, mtime, first and last 4 KiB) or the hub name, FORMAT_VERSION and the
+  tokenizer's JSON;
 - tokenizer-<corpus key>-<vocab_size>/, the tokenizer trained on the corpus when no --tokenizer is given;
 - .NAME.lock, the lock for NAME; NAME.tmpPID, what a writer writes before the rename.
 On 2 cores, enwiki AA.txt.xz (100 MB, 21.3M tokens): 5 s load + 23 s tokenizer training + 35 s
