@@ -66,7 +66,7 @@ def test_flags_presets_and_types():
     assert cfg.compile is True and cfg.taco_stop_grad is False and set(given) == {
         "max_steps", "preset", "compile", "taco_stop_grad"}
     assert [config.parse_args(["--compile", v])[0].compile for v in ("0", "1", "off")] == [False, True, False]
-    # a preset's warm-up longer than a shortened run becomes 10% of the run (fidelity note 33); a given one stays
+    # a preset's warm-up longer than a shortened run becomes 10% of the run; a given one stays
     assert cfg.warmup_steps == 0 and config.parse_args(["--preset=small", "--max_steps=1000"])[0].warmup_steps == 100
     assert config.parse_args(["--max_steps", "7", "--warmup_steps", "9"])[0].warmup_steps == 9  # validate() refuses it
     for bad, msg in ((["--nope", "1"], "unknown flag"), (["--max_steps", "x"], "expects int"),
