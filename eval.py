@@ -395,8 +395,8 @@ def validate_args(args):
     if args.predict_seed is not None and args.predict_seed not in seeds:
         raise ValueError(f"--predict_seed {args.predict_seed}: must be one of --seeds {args.seeds}")
     for flag in ("model", "plot_log", "glue_dir", "text"):
-        paths = getattr(args, flag) or []
-        for path in [paths] if isinstance(paths, str) else paths:
+        paths = getattr(args, flag)
+        for path in [paths] if isinstance(paths, str) else paths or []:  # "" (an unset variable) is no path
             if not os.path.exists(path):
                 raise ValueError(f"--{flag} {path}: no such file or directory")
     for path in args.plot_log or []:

@@ -538,6 +538,7 @@ BAD_FLAGS = [  # (flags, what the error line must name)
     (["--plot_log", "{tmp}"], "--plot_log"),
     (["--plot_log", "{tmp}/a_file", "--out", "{tmp}/curves.png"], "GLUE (--model without --analysis) writes into a dir"),
     (["--plot_log", "{tmp}/missing.jsonl"], "--plot_log"), (["--text", "{tmp}/missing.txt", "--analysis"], "--text"),
+    (["--text", "", "--analysis"], "--text : no such file"),  # was: the run's own text, silently
 ]
 
 
