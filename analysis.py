@@ -889,6 +889,9 @@ def plot_logs(paths, out):
     plt = _pyplot()
     path = out if out and out.endswith(".png") else os.path.join(out or ".", "training_curves.png")
     table_path = os.path.splitext(path)[0] + ".md"  # the last held-out values, beside the picture
+    for target in (path, table_path):
+        if os.path.isdir(target):  # an earlier GLUE --out x.png made a folder of that name
+            raise ValueError(f"{target} is a directory, where --plot_log writes a file: choose another --out")
     if os.path.isfile(table_path) and not open(table_path, errors="replace").readline().startswith("| run | step |"):
         raise ValueError(f"{table_path} exists and is not a table that --plot_log wrote: it would be overwritten; "
                          f"choose another --out")

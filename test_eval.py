@@ -587,6 +587,12 @@ def test_plot_log_alone_refuses_bad_outputs_and_a_bad_log_makes_no_folder(tmp_pa
     assert f"{tmp_path / 'a_file'} is an existing file" in err  # the folder that is a file, named
     assert "writes a .png" in run_main_error(["--plot_log", log, "--out", str(tmp_path / "p" / "x.pdf")], capsys)
     assert not (tmp_path / "p").exists() and (tmp_path / "a_file").read_text() == "keep me"
+    (tmp_path / "log.jsonl").write_text('{"step": 1, "val_mlm_loss": 2.0}\n')
+    log = str(tmp_path / "log.jsonl")
+    for folder, out in (("curves.png", "curves.png"), ("d/training_curves.png", "d"), ("e/training_curves.md", "e")):
+        (tmp_path / folder).mkdir(parents=True)  # a GLUE --out curves.png makes such a folder
+        err = run_main_error(["--plot_log", log, "--out", str(tmp_path / out)], capsys)  # was: a traceback
+        assert f"{tmp_path / folder} is a directory, where --plot_log writes a file" in err
 
 
 def test_plot_log_with_a_model_also_runs_glue(tmp_path, tiny_model_dir, monkeypatch):
