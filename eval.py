@@ -562,6 +562,15 @@ def run_glue(args, log=print):
     problem = dir_problem(out)
     if problem:  # before any fine-tuning: the default --out is the model's own directory
         raise ValueError(f"cannot write GLUE results into {out}: it {problem}; pass --out DIR")
+    names = [t.name for t in tasks]  # what each task writes once fine-tuned, checked before any fine-tuning
+    files = [f"{stem}.tsv" for stem, spec in SUBMISSIONS.items() if spec[0] in names] if args.predict else []
+    for path in (os.path.join(out, f) for f in files):
+        if os.path.isdir(path):
+            raise ValueError(f"--predict: {path} is a directory, where the leaderboard file goes; pass another --out")
+    for task in tasks if args.save_model else ():
+        problem = dir_problem(os.path.join(out, "models", task.dir))
+        if problem:
+            raise ValueError(f"--save_model: {os.path.join(out, 'models', task.dir)} {problem}; pass another --out")
     log(f"{args.model}: {base.num_params() / 1e6:.1f}M parameters, {size}-model recipe ({protocol}), seeds {seeds}, "
         f"{device}" + (f"; flags override {overrides}" if overrides else ""))
     if still_training(args.model):

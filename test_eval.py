@@ -863,6 +863,22 @@ def test_an_unwritable_model_directory_is_refused_before_fine_tuning(tmp_path, t
     assert f"cannot write GLUE results into {tiny_model_dir}" in err and "--out DIR" in err
 
 
+def test_a_folder_where_predict_or_save_model_writes_is_refused_before_fine_tuning(tmp_path, tiny_model_dir, capsys,
+                                                                                  monkeypatch):
+    # was: every run of the task fine-tuned, then an IsADirectoryError / FileExistsError traceback
+    glue, out = write_glue(tmp_path / "glue"), tmp_path / "out"
+    (out / "CoLA.tsv").mkdir(parents=True)
+    (out / "models").mkdir()
+    (out / "models" / "MRPC").write_text("keep me")
+    monkeypatch.setattr(ev, "finetune", lambda *a, **k: pytest.fail("fine-tuned before the check"))
+    argv = ["--model", str(tiny_model_dir), "--glue_dir", str(glue), "--out", str(out)]
+    err = run_main_error(argv + ["--tasks", "cola", "--predict"], capsys)
+    assert f"--predict: {out / 'CoLA.tsv'} is a directory" in err
+    err = run_main_error(argv + ["--tasks", "mrpc", "--save_model"], capsys)
+    assert f"--save_model: {out / 'models' / 'MRPC'} is an existing file" in err
+    assert (out / "models" / "MRPC").read_text() == "keep me" and not (out / "glue.json").exists()
+
+
 def test_a_dev_set_without_rows_is_named(tmp_path, tiny_model_dir, capsys):
     glue = write_glue(tmp_path / "glue")
     (glue / "STS-B" / "dev.tsv").write_text((glue / "STS-B" / "dev.tsv").read_text().split("\n")[0])  # a header
