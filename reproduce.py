@@ -859,18 +859,18 @@ def parse(argv):
     args.steps = args.steps or scale["steps"]
     args.extra_steps = args.extra_steps or scale["extra_steps"]
     args.glue_train_rows = args.glue_train_rows or scale["glue_train_rows"]
-    recipes = (args.recipes or scale["recipes"]).split(",")
+    recipes = (scale["recipes"] if args.recipes is None else args.recipes).split(",")  # "" is an error below
     args.recipes = ",".join(dict.fromkeys(r.strip() for r in recipes if r.strip()))
     unknown = [r for r in args.recipes.split(",") if r not in RECIPES]
     if unknown or not args.recipes:
         p.error(f"--recipes: unknown GLUE recipe {(unknown or [''])[0]!r} (choose from {', '.join(RECIPES)})")
     # eval.py's spelling ("STS-B" -> "stsb"), checked here: a bad name must not cost the pretraining first
-    args.tasks = ",".join(dict.fromkeys(t.strip().lower().replace("-", "") for t in
-                                        (args.tasks or scale["tasks"]).split(",") if t.strip()))
+    tasks = scale["tasks"] if args.tasks is None else args.tasks  # "" (an unset variable) is an error, not the default
+    args.tasks = ",".join(dict.fromkeys(t.strip().lower().replace("-", "") for t in tasks.split(",") if t.strip()))
     unknown = [t for t in args.tasks.split(",") if t not in PRIMARY]
     if unknown or not args.tasks:
         p.error(f"--tasks: unknown GLUE task {(unknown or [''])[0]!r} (choose from {', '.join(PRIMARY)})")
-    seeds = [x.strip() for x in (args.seeds or scale["seeds"]).split(",")]
+    seeds = [x.strip() for x in (scale["seeds"] if args.seeds is None else args.seeds).split(",")]
     if (not all(x.isascii() and x.isdigit() and int(x) < 2 ** 31 for x in seeds)
             or len({int(x) for x in seeds}) != len(seeds)):  # eval.py's range, checked before any pretraining
         p.error(f"--seeds {args.seeds}: expected distinct comma-separated integers in [0, 2**31), e.g. 1,2")

@@ -168,7 +168,10 @@ def test_bad_input_is_refused_before_any_work(tmp_path):
                          (["--seeds", "1," + "9" * 23], "[0, 2**31)"),  # else found only after all the pretraining
                          (["--data", str(tmp_path)], "inside --data"),  # out_dir tmp_path/repro: read as corpus
                          (["--nproc_per_node", "0"], "--nproc_per_node 0"), (["--seed", "-1"], "--seed -1"),
-                         (["--cache_dir", __file__], "a file, not a directory")):
+                         (["--cache_dir", __file__], "a file, not a directory"),
+                         # an empty value (a script's unset variable) was the scale's default, silently
+                         (["--tasks", ""], "unknown GLUE task ''"), (["--seeds", ""], "--seeds"),
+                         (["--recipes", ""], "unknown GLUE recipe ''")):
         assert needle in reproduce_error([*argv, "--out_dir", str(out)], tmp_path)
     assert not (out / "mlm").exists()
     (tmp_path / "file").write_text("x")
