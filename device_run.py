@@ -921,6 +921,14 @@ def main(argv=None):
         p.error(f"--budget {args.budget}: must be a number of seconds > 0")
     if args.command == "run" and args.glue_dir and not os.path.isdir(args.glue_dir):
         p.error(f"--glue_dir {args.glue_dir}: not a directory")
+    for flag in ("steps", "extra_steps", "glue_train_rows") if args.command == "run" else ():
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:  # 0 ran the default; < 0 failed on the device
+            p.error(f"--{flag} {getattr(args, flag)}: must be >= 1")
+    if args.command == "run":  # reproduce.py's check, here: before the wheels, the CUDA check and every stage fail
+        recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
+        unknown = [r for r in recipes if r not in reproduce.RECIPES] or ([] if recipes else [args.recipes])
+        if unknown:
+            p.error(f"--recipes: unknown GLUE recipe {unknown[0]!r} (choose from {', '.join(reproduce.RECIPES)})")
     if args.command == "prepare":
         prepare(args)
     elif args.command == "run":

@@ -376,6 +376,19 @@ def test_run_flags_that_would_schedule_nothing_are_refused(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_run_flags_that_reproduce_py_would_refuse_are_refused_before_the_run(tmp_path, capsys, monkeypatch):
+    # was: --steps 0 ran the default steps; --steps -5 or an unknown recipe failed every stage on the GPU machine
+    monkeypatch.setattr(device_run, "run", lambda args: pytest.fail(f"ran with {args}"))
+    for argv, needle in ((["--steps", "0"], "--steps 0: must be >= 1"), (["--extra_steps", "-5"], "--extra_steps -5"),
+                         (["--glue_train_rows", "0"], "--glue_train_rows 0"),
+                         (["--recipes", "paper,best"], "unknown GLUE recipe 'best'"), (["--recipes", ","], "recipe ','")):
+        with pytest.raises(SystemExit) as stop:
+            device_run.main(["run", "mlm-taco", "--out", str(tmp_path / "out"), *argv])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and err.startswith("error: ") and needle in err and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()
+
+
 # ---------------------------------------------------------------------------------------------
 # run()'s schedule, on a clock moved by hand: each stage a stand-in that takes the seconds it is given, at once
 
