@@ -11,7 +11,8 @@ What it guarantees:
 - Loading a checkpoint never runs code from it: weights come through safetensors or
   torch.load(weights_only=True) (torch >= 2.6); a file holding any other Python object is refused.
 - A bad file, config or weight is one ValueError that names the file and the problem (check_config: every
-  field of a BertConfig, wherever one is made).
+  field of a BertConfig, wherever one is made; a config.json whose sizes its weights do not have, before
+  the model is built).
 
 Tests that hold it to this: test_hf_io.py (directories in and out, the error for each bad file, pickles
 refused on an unsafe torch), test_model.py (logits against transformers through from_pretrained), and in
@@ -78,12 +79,32 @@ def from_pretrained(cls, path, mlm_head=True):
     except ValueError as e:  # not JSON, not UTF-8, or a value BertConfig refuses
         raise ValueError(f"{cfg_path}: not a valid BERT config ({_last_line(e)})") from None
     state = _read_weights(path)
+    _check_sizes(config, state, cfg_path)
     model = cls(config)
     if not mlm_head:
         state = {k: v for k, v in state.items() if not k.startswith("cls.")}
     model.fresh_head = not model.load_hf_state_dict(state, source=path)
     model.training_step = hf.get("training_step")  # an export of this project says which step it holds
     return model
+
+
+def _check_sizes(config, state, cfg_path):
+    """config.json's sizes against its weights', before a model of that config is built: one edited to a
+    vocab_size of 10**12 (or a million layers) is this error, not a failed allocation or the OOM killer."""
+    def shape(name):  # BertForMaskedLM's "bert." names or BertModel's bare ones
+        tensor = state.get("bert." + name, state.get(name))
+        return None if tensor is None else tuple(tensor.shape)
+    c, D = config, config.hidden_size
+    layers = {m[1] for k in state if (m := re.match(r"(?:bert\.)?encoder\.layer\.(\d+)\.", k))}
+    for names, found, expected in (
+            ("vocab_size, hidden_size", shape("embeddings.word_embeddings.weight"), (c.vocab_size, D)),
+            ("max_position_embeddings", shape("embeddings.position_embeddings.weight"), (c.max_position_embeddings, D)),
+            ("type_vocab_size", shape("embeddings.token_type_embeddings.weight"), (c.type_vocab_size, D)),
+            ("intermediate_size", shape("encoder.layer.0.intermediate.dense.weight"), (c.intermediate_size, D)),
+            ("num_hidden_layers", len(layers), c.num_layers)):
+        if found is not None and found != expected:
+            raise ValueError(f"{cfg_path}: {names} = {expected}, but the weights have {found}: an edited config "
+                             f"or another model's weights")
 
 
 def load_hf_state_dict(model, state, source="checkpoint"):

@@ -56,7 +56,7 @@ def test_bad_checkpoints_are_clear_errors(tmp_path):
     ours.save_pretrained(str(tmp_path))
     cfg["hidden_size"] = 64
     json.dump(cfg, open(tmp_path / "config.json", "w"))
-    with pytest.raises(ValueError, match="shape|missing"):
+    with pytest.raises(ValueError, match="shape|missing|but the weights have"):
         Bert.from_pretrained(str(tmp_path))
     bad = tmp_path / "ckpt.pt"
     bad.write_bytes(b"\x00" * 10)
@@ -78,7 +78,7 @@ def test_bad_checkpoints_are_clear_errors(tmp_path):
     (lambda s: s.update({"bert.embeddings.LayerNorm.weight": torch.ones(32, dtype=torch.int64)}), "holds torch.int64"),
     # the vocabulary rows are stored unpadded: exactly vocab_size of them, not fewer (zero-padded up) or more
     (lambda s: s.update({"bert.embeddings.word_embeddings.weight": s["bert.embeddings.word_embeddings.weight"][:99]}),
-     "has shape (99, 32), expected (100, 32)"),
+     "vocab_size, hidden_size = (100, 32), but the weights have (99, 32)"),
     (lambda s: s.update({"cls.predictions.bias": torch.zeros(101)}), "has shape (101,), expected (100,)"),
     (lambda s: s.pop("bert.encoder.layer.1.attention.self.key.weight"),
      "missing weight bert.encoder.layer.1.attention.self.key.weight"),
@@ -116,6 +116,22 @@ def test_a_corrupt_config_is_one_clear_error(tmp_path, edit, problem):
         Bert.from_pretrained(str(tmp_path / "ckpt.pt"))
 
 
+@pytest.mark.parametrize("edit,problem", [
+    ({"vocab_size": 10 ** 12}, "vocab_size, hidden_size = (1000000000000, 32), but the weights have (100, 32)"),
+    ({"num_hidden_layers": 10 ** 6}, "num_hidden_layers = 1000000, but the weights have 2"),
+    ({"intermediate_size": 10 ** 9}, "intermediate_size = (1000000000, 32), but the weights have (64, 32)"),
+    ({"max_position_embeddings": 10 ** 9}, "max_position_embeddings = (1000000000, 32), but the weights have (40, 32)"),
+    ({"type_vocab_size": 3}, "type_vocab_size = (3, 32), but the weights have (2, 32)")])
+def test_a_config_that_does_not_fit_its_weights_is_refused_before_the_model_is_built(tmp_path, edit, problem):
+    # built first, a config.json edited to a huge size failed allocating the model (a traceback, or the OOM killer)
+    Bert(BertConfig(**TINY)).save_pretrained(str(tmp_path))
+    cfg = json.load(open(tmp_path / "config.json"))
+    json.dump({**cfg, **edit}, open(tmp_path / "config.json", "w"))
+    with pytest.raises(ValueError) as info:
+        Bert.from_pretrained(str(tmp_path))
+    assert str(info.value) == f"{tmp_path / 'config.json'}: {problem}: an edited config or another model's weights"
+
+
 def test_hf_checkpoints_this_bert_cannot_hold_are_refused(tmp_path):
     # an untied decoder, a causal decoder, an extra layer: each would load silently wrong, so each is refused
     def cfg(**kw):
@@ -142,7 +158,7 @@ def test_hf_checkpoints_this_bert_cannot_hold_are_refused(tmp_path):
     deeper = save_hf(transformers.BertForMaskedLM(cfg(num_hidden_layers=3)), str(tmp_path / "deeper"))
     config = json.load(open(os.path.join(deeper, "config.json")))
     json.dump({**config, "num_hidden_layers": 2}, open(os.path.join(deeper, "config.json"), "w"))
-    with pytest.raises(ValueError, match="unexpected weight bert.encoder.layer.2"):
+    with pytest.raises(ValueError, match=r"num_hidden_layers = 2, but the weights have 3"):
         Bert.from_pretrained(deeper)
     # what HF ties or this model has no use for still loads: a tied decoder in a transformers 4 .bin (which
     # save_pretrained 5 no longer writes: built by hand), a position_ids buffer, NSP, task heads
