@@ -887,7 +887,7 @@ def plot_logs(paths, out):
     """eval.py --plot_log: one subplot per numeric key, one line per run (legend = run
     directory). out: a .png path or a directory (written as training_curves.png)."""
     plt = _pyplot()
-    path = out if out and out.endswith(".png") else os.path.join(out or ".", "training_curves.png")
+    path = out if out and out.lower().endswith(".png") else os.path.join(out or ".", "training_curves.png")
     table_path = os.path.splitext(path)[0] + ".md"  # the last held-out values, beside the picture
     for target in (path, table_path):
         if os.path.isdir(target):  # an earlier GLUE --out x.png made a folder of that name

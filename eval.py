@@ -11,7 +11,7 @@ Hugging Face BERT directory (both load through model.Bert.from_pretrained).
 GLUE writes glue.json (every metric of every run, each run's hyper-parameters, the config) and
 glue.md (the table) into --out (default: the model's directory), where an earlier glue.json's other tasks
 join the table if it was made from the same export with the same settings (else it moves aside to
-glue.K.json, never overwritten); --predict adds one GLUE
+glue.K.json, with its leaderboard files and models/: never overwritten); --predict adds one GLUE
 submission file per test set there, --save_model a fine-tuned Hugging Face directory per task
 under models/. --analysis writes analysis.json and analysis_*.png (an earlier one of another
 measurement moves aside to analysis.K.json).
@@ -405,7 +405,7 @@ def validate_args(args):
     if args.glue_dir is not None and not os.path.isdir(args.glue_dir):
         raise ValueError(f"--glue_dir {args.glue_dir}: not a directory (the folder holding CoLA/, SST-2/, ...)")
     if args.out is not None:
-        png = args.plot_log and not args.analysis and args.out.endswith(".png")  # plot_logs takes a file
+        png = args.plot_log and not args.analysis and args.out.lower().endswith(".png")  # plot_logs takes a file
         if png and args.model:
             raise ValueError(f"--out {args.out}: GLUE (--model without --analysis) writes into a directory; "
                              f"plot into it (--out DIR) or run --plot_log alone")
@@ -497,7 +497,8 @@ def export_identity(path):
 def earlier_results(out, settings, tasks, log):
     """(results, predictions) of an earlier glue.json in `out` for the tasks this call does not redo, when it was
     made with the same settings: `--tasks rte` then `--tasks mrpc` give one table. Made otherwise (another
-    step, recipe, seeds...), it and its glue.md move aside to glue.K.json / glue.K.md: never overwritten."""
+    step, recipe, seeds...), it and its glue.md, leaderboard files and models/ move aside to glue.K.json /
+    glue.K.md / NAME.K.tsv / models.K: never overwritten."""
     path = os.path.join(out, "glue.json")
     if not os.path.exists(path):
         return {}, {}
@@ -515,10 +516,14 @@ def earlier_results(out, settings, tasks, log):
     k = 1
     while os.path.exists(os.path.join(out, f"glue.{k}.json")):
         k += 1
-    for ext in ("md", "json"):  # glue.json last: a kill in between leaves it to be moved next time
-        if os.path.exists(os.path.join(out, f"glue.{ext}")):
-            os.replace(os.path.join(out, f"glue.{ext}"), os.path.join(out, f"glue.{k}.{ext}"))
-    log(f"note: {path} was made from another export or with other settings: moved to glue.{k}.json")
+    # its leaderboard files and fine-tuned models go with it; glue.json last: a kill before it leaves the rest
+    # to be moved next time
+    for name, aside in [(f"{stem}.tsv", f"{stem}.{k}.tsv") for stem in SUBMISSIONS] + [
+            ("models", f"models.{k}"), ("glue.md", f"glue.{k}.md"), ("glue.json", f"glue.{k}.json")]:
+        if os.path.exists(os.path.join(out, name)):
+            os.replace(os.path.join(out, name), os.path.join(out, aside))
+    log(f"note: {path} was made from another export or with other settings: moved to glue.{k}.json"
+        f" (with its leaderboard files and models, if any)")
     return {}, {}
 
 

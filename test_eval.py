@@ -593,6 +593,8 @@ def test_plot_log_alone_refuses_bad_outputs_and_a_bad_log_makes_no_folder(tmp_pa
         (tmp_path / folder).mkdir(parents=True)  # a GLUE --out curves.png makes such a folder
         err = run_main_error(["--plot_log", log, "--out", str(tmp_path / out)], capsys)  # was: a traceback
         assert f"{tmp_path / folder} is a directory, where --plot_log writes a file" in err
+    ev.main(["--plot_log", log, "--out", str(tmp_path / "Curves.PNG")])  # .PNG names the picture too (was a folder)
+    assert (tmp_path / "Curves.PNG").is_file() and (tmp_path / "Curves.md").is_file()
 
 
 def test_plot_log_with_a_model_also_runs_glue(tmp_path, tiny_model_dir, monkeypatch):
@@ -834,10 +836,14 @@ def test_a_second_call_extends_glue_json_or_moves_it_aside(tmp_path, tiny_model_
     saved = json.loads((out / "glue.json").read_text())
     assert set(saved["tasks"]) == {"cola", "stsb"} and saved["avg9"]["mean"] == pytest.approx((42.0 + 40.0) / 2)
     assert "kept in the table" in capsys.readouterr().out
-    ev.main(common + ["--tasks", "stsb", "--seeds", "2"])  # other seeds: the earlier file is moved, not lost
+    (out / "CoLA.tsv").write_text("index\tprediction\n")  # as --predict and --save_model left them
+    (out / "models" / "CoLA").mkdir(parents=True)
+    ev.main(common + ["--tasks", "stsb", "--seeds", "2"])  # other seeds: the earlier files are moved, not lost
     assert set(json.loads((out / "glue.json").read_text())["tasks"]) == {"stsb"}
     assert set(json.loads((out / "glue.1.json").read_text())["tasks"]) == {"cola", "stsb"}
     assert (out / "glue.1.md").is_file() and "moved to glue.1.json" in capsys.readouterr().out
+    assert (out / "CoLA.1.tsv").read_text() == "index\tprediction\n" and (out / "models.1" / "CoLA").is_dir()
+    assert not (out / "CoLA.tsv").exists() and not (out / "models").exists()
     # another model at the same step, same settings: another export, so moved aside as well
     other = tmp_path / "other_model"
     shutil.copytree(tiny_model_dir, other)
