@@ -722,7 +722,8 @@ def merge(args):
             sys.exit(f"error: {archive}: not a readable archive ({first_line(e)})")
         if len(chunks) != 1 or next(iter(chunks)) not in CHUNKS:
             sys.exit(f"error: {archive}: not an archive of device_run.py (its top folders: {sorted(chunks)[:3]})")
-    os.makedirs(into, exist_ok=True)
+    if args.archives:  # none: merge re-reads what --into holds, and makes no folder
+        os.makedirs(into, exist_ok=True)
     for archive in args.archives:
         try:
             print(f"{archive} -> {os.path.join(into, extract(archive, into))}")

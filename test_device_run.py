@@ -351,7 +351,8 @@ def test_bad_archives_and_folders_are_one_error_line_and_merge_nothing(tmp_path,
                          (["merge", str(tmp_path / "damaged.tar.gz")], "not a readable archive"),
                          (["merge", str(tmp_path / "foreign.tar.gz")], "not an archive of device_run.py"),
                          (["merge", str(tmp_path / "whole.tar.gz"), "--into", str(tmp_path / "FILE")], "not a folder"),
-                         (["run", "mlm-taco", "--toy", "--out", str(tmp_path / "FILE")], "not a folder")]:
+                         (["run", "mlm-taco", "--toy", "--out", str(tmp_path / "FILE")], "not a folder"),
+                         (["merge"], "no chunk in")]:  # no archive, nothing merged before
         with pytest.raises(SystemExit) as stop:
             device_run.main(argv + (["--into", str(into)] if argv[0] == "merge" and "--into" not in argv else []))
         message = str(stop.value.code)
