@@ -931,7 +931,7 @@ def plot_logs(paths, out):
     table = last_held_out(logs)
     if table:  # the numbers an ablation compares, beside the picture
         write_atomic(table_path, table + "\n")
-        print(table)
+        print(f"wrote {table_path}:\n{table}")
     return path
 
 

@@ -595,6 +595,7 @@ def test_plot_log_alone_refuses_bad_outputs_and_a_bad_log_makes_no_folder(tmp_pa
         assert f"{tmp_path / folder} is a directory, where --plot_log writes a file" in err
     ev.main(["--plot_log", log, "--out", str(tmp_path / "Curves.PNG")])  # .PNG names the picture too (was a folder)
     assert (tmp_path / "Curves.PNG").is_file() and (tmp_path / "Curves.md").is_file()
+    assert f"wrote {tmp_path / 'Curves.md'}:\n| run | step |" in capsys.readouterr().out  # both files named
 
 
 def test_plot_log_with_a_model_also_runs_glue(tmp_path, tiny_model_dir, monkeypatch):
