@@ -256,6 +256,26 @@ def code_fingerprint():
     return code
 
 
+def same_on_every_rank(cfg, layout, fingerprint):
+    """Every node runs the same code (an ablation's edit on one node would mix two objectives in one run)
+    and, with its own copy of --data or its own --cache_dir, has read the same tokens: else every rank
+    raises, and rank 0 and each other node's first process say why."""
+    code = code_fingerprint()
+    ranks = distributed.every_rank(layout, (code, fingerprint))
+    others = {r: c for r, (c, _) in enumerate(ranks) if c != code}
+    if others:
+        theirs = others[min(others)]
+        differ = sorted(name for name in code.keys() | theirs.keys() if code.get(name) != theirs.get(name))
+        raise ValueError(f"rank(s) {', '.join(map(str, others))} run other code than rank {layout.rank} "
+                         f"(on rank {min(others)}, other {', '.join(differ)}): every node needs the same "
+                         f"checkout of this project and the same torch")
+    others = {r: f for r, (_, f) in enumerate(ranks) if f != fingerprint}
+    if others:
+        raise ValueError(f"--data {cfg.data}: rank(s) {', '.join(map(str, others))} read other data than rank "
+                         f"{layout.rank} ({fingerprint}; rank {min(others)}: {others[min(others)]}): every node "
+                         f"needs the same data files and tokenizer")
+
+
 def repair_log(path):
     """A run killed mid-write leaves a partial last line in log.jsonl: drop it, so the next record
     starts on its own line. A whole record that lacks only its newline is kept and ended."""
@@ -374,22 +394,7 @@ class Run:
         if ckpt and ckpt.get("data", fingerprint) != fingerprint:  # (checkpoints before this check have none)
             raise ValueError(f"--resume {cfg.out_dir}: --data {cfg.data} is not the data this run was trained on "
                              f"(then {ckpt['data']}, now {fingerprint}): the files were edited, replaced or moved")
-        # every node runs the same code (an ablation's edit on one node would mix two objectives in one run)
-        # and, with its own copy of --data or its own --cache_dir, has read the same tokens
-        code = code_fingerprint()
-        ranks = distributed.every_rank(layout, (code, fingerprint))
-        others = {r: c for r, (c, _) in enumerate(ranks) if c != code}
-        if others:  # every rank raises; rank 0 and each other node's first process say why
-            theirs = others[min(others)]
-            differ = sorted(name for name in code.keys() | theirs.keys() if code.get(name) != theirs.get(name))
-            raise ValueError(f"rank(s) {', '.join(map(str, others))} run other code than rank {layout.rank} "
-                             f"(on rank {min(others)}, other {', '.join(differ)}): every node needs the same "
-                             f"checkout of this project and the same torch")
-        others = {r: f for r, (_, f) in enumerate(ranks) if f != fingerprint}
-        if others:
-            raise ValueError(f"--data {cfg.data}: rank(s) {', '.join(map(str, others))} read other data than rank "
-                             f"{layout.rank} ({fingerprint}; rank {min(others)}: {others[min(others)]}): every node "
-                             f"needs the same data files and tokenizer")
+        same_on_every_rank(cfg, layout, fingerprint)
         self.cfg, self.layout, self.ckpt, self.fingerprint = cfg, layout, ckpt, fingerprint
         self.saved_step, self.log_file, self.diff_name = 0, None, "code.diff"
 
