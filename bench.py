@@ -8,6 +8,7 @@ at the same config in the same process (GPU numbers are only comparable within o
     python bench.py --model_size small --hf --profile --profile_objectives mlm   # every row, the MLM step profiled
     python bench.py --model_size tiny --device cpu --batch_size 8 --seq_len 128 --steps 3 --hf   # runs anywhere
     OMP_NUM_THREADS=1 python bench.py --model_size tiny --device cpu --batch_size 16 --steps 15 --interleave   # ratios
+    python bench.py --model_size small --objectives mlm --ablate     # what SDPA, the fused QKV and the padding buy
 
 Every step is a full training step: forward, backward, grad-norm clip at 1.0, fused AdamW on CUDA
 (train.configure_optimizer), bf16 autocast on CUDA and fp32 on CPU, dropout --dropout (0.1, BERT's
@@ -52,6 +53,7 @@ chrome trace (chrome://tracing, ui.perfetto.dev) per run into --out_dir.
 import argparse
 import gc
 import json
+import math
 import os
 import platform
 import statistics
@@ -78,6 +80,41 @@ def random_blocks(batch_size, seq_len, config, device, rng=None):
     return ids
 
 
+class AttentionWithout(torch.nn.Module):
+    """--ablate: model.SelfAttention with one of its speed features off, same weights and maths (test_bench checks
+    it against ours): Q, K and V from three Linears (fused=False), or softmax attention written out (sdpa=False)."""
+
+    def __init__(self, attn, fused=True, sdpa=True):
+        super().__init__()
+        self.attn, self.fused, self.sdpa = attn, fused, sdpa
+        if not fused:  # the fused weight's thirds, as Hugging Face stores them
+            D = attn.proj.in_features
+            self.q, self.k, self.v = (torch.nn.Linear(D, D) for _ in range(3))
+            for i, linear in enumerate((self.q, self.k, self.v)):
+                linear.weight.data.copy_(attn.qkv.weight.data[i * D:(i + 1) * D])
+                linear.bias.data.copy_(attn.qkv.bias.data[i * D:(i + 1) * D])
+            attn.qkv = None
+
+    def forward(self, x, attn_mask=None):
+        a, (B, T, D) = self.attn, x.shape
+        q, k, v = a.qkv(x).split(D, dim=2) if self.fused else (self.q(x), self.k(x), self.v(x))
+        q, k, v = (t.view(B, T, a.num_heads, D // a.num_heads).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        dropout = a.dropout if self.training else 0.0
+        if self.sdpa:
+            y = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout)
+        else:
+            scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))  # (B, nh, T, T)
+            if attn_mask is not None:
+                scores = scores.masked_fill(~attn_mask, float("-inf"))
+            y = torch.nn.functional.dropout(scores.softmax(-1), dropout) @ v
+        return a.proj(y.transpose(1, 2).reshape(B, T, D))  # (B, nh, T, hs) -> (B, T, D)
+
+
+# --ablate: our MLM with one of model.py's speed features off, each row's "vs mlm" its cost
+ABLATIONS = {"no-sdpa": ({}, dict(sdpa=False)), "no-fused": ({}, dict(fused=False)),  # (config, attention) changes
+             "no-pad": (dict(pad_vocab_to=1), {})}
+
+
 def hf_mlm_batch(input_ids, config, rng, mask_prob=0.15):
     """Hugging Face's DataCollatorForLanguageModeling masking: each non-special token is selected
     with probability mask_prob (Bernoulli, so the count varies by row); of the selected, 80% become
@@ -92,9 +129,13 @@ def hf_mlm_batch(input_ids, config, rng, mask_prob=0.15):
     return dict(input_ids=inputs, labels=labels)
 
 
-def build_ours(cfg, config, args, device, autocast):
-    """(train_step(i) -> None, trained params) for our model and cfg.objective."""
-    model = Bert(config).to(device)
+def build_ours(cfg, config, args, device, autocast, ablation=None):
+    """(train_step(i) -> None, trained params) for our model and cfg.objective (ablation: a key of ABLATIONS)."""
+    config_off, attention_off = ABLATIONS.get(ablation, ({}, {}))
+    model = Bert(replace(config, **config_off))
+    for layer in model.encoder.layers if attention_off else ():
+        layer.attn = AttentionWithout(layer.attn, **attention_off)
+    model = model.to(device)
     loss_fn = LOSSES[cfg.objective](model, cfg).to(device)
     params = list(model.parameters()) + [p for p in loss_fn.parameters() if p.requires_grad]
     if args.compile == 1:  # the encoder (and TACO's fused_gather_dot); sampling, heads and losses run eagerly
@@ -251,8 +292,8 @@ def profile_steps(step, args, device, label):
 
 
 def build(name, size, args, device):
-    """Build one run: name is an objective, "hf-mlm" or "hf-masked". Returns (train step, params, cfg, config,
-    start time)."""
+    """Build one run: name is an objective, "hf-mlm", "hf-masked" or a key of ABLATIONS. Returns (train step,
+    params, cfg, config, start time)."""
     torch._dynamo.reset()  # a fresh compile cache per run: no stale graphs, no recompile limit across runs
     gc.collect()
     if device.type == "cuda":
@@ -262,14 +303,14 @@ def build(name, size, args, device):
     config = BertConfig(**MODEL_PRESETS[size], dropout=args.dropout)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
     # one cfg for the step and its FLOPs count (taco_negatives, gen_shape and dropout change both)
-    cfg = replace(TrainConfig(), objective="mlm" if name in HF_RUNS else name, seq_len=args.seq_len,
+    cfg = replace(TrainConfig(), objective=name if name in LOSSES else "mlm", seq_len=args.seq_len,
                   batch_size=args.batch_size, init_from="random weights", dropout=args.dropout,
                   taco_negatives=args.taco_negatives, gen_shape=args.gen_shape,
                   compile=bool(args.compile))  # TACO's fused negative scoring follows --compile
     if name in HF_RUNS:
         step, params = build_hf(cfg, config, args, device, autocast, masked=name == "hf-masked")
     else:
-        step, params = build_ours(cfg, config, args, device, autocast)
+        step, params = build_ours(cfg, config, args, device, autocast, ablation=name)
     return step, params, cfg, config, t0
 
 
@@ -357,6 +398,8 @@ def main(argv=None):
     p.add_argument("--hf", action="store_true", help="also time transformers.BertForMaskedLM at each size")
     p.add_argument("--hf_masked", action="store_true", help="with --hf: also Hugging Face's encoder with its head "
                    "on the selected positions only, as ours (where the speed-up comes from)")
+    p.add_argument("--ablate", action="store_true", help="also our MLM with each of model.py's speed features off: "
+                   f"{', '.join(ABLATIONS)} (softmax attention written out, three Q/K/V Linears, the vocabulary unpadded)")
     p.add_argument("--batch_size", type=int, default=256)
     p.add_argument("--seq_len", type=int, default=128)
     p.add_argument("--taco_negatives", type=int, default=50)
@@ -392,13 +435,15 @@ def main(argv=None):
     for size in sizes:
         if size not in MODEL_PRESETS:
             p.error(f"unknown model size {size!r} (choose from {', '.join(MODEL_PRESETS)})")
-    runs = list(LOSSES) + list(HF_RUNS)
+    runs = list(LOSSES) + list(HF_RUNS) + list(ABLATIONS)
     profiled = runs if args.profile_objectives == "all" else args.profile_objectives.split(",")
     for name in profiled:
         if name not in runs:
             p.error(f"--profile_objectives: unknown run {name!r} (choose from {', '.join(runs)}, or all)")
     if args.hf_masked and not args.hf:
         p.error("--hf_masked goes with --hf")
+    if args.ablate and "mlm" not in objectives:
+        p.error("--ablate times our MLM with a feature off against our MLM: add mlm to --objectives")
     for name in ("batch_size", "seq_len", "steps", "profile_steps", "taco_negatives"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1")
@@ -464,6 +509,8 @@ def main(argv=None):
             names.insert(names.index("mlm") + 1 if "mlm" in names else len(names), "hf-mlm")
             if args.hf_masked:
                 names.insert(names.index("hf-mlm") + 1, "hf-masked")
+        if args.ablate:
+            names += list(ABLATIONS)
         mlm_ms = None
         if args.interleave:
             built, unbuilt = {}, {}

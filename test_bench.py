@@ -1,4 +1,5 @@
 """bench.py runs on CPU with the tiny model: every objective, the Hugging Face baseline, the profiler."""
+import copy
 import os
 import types
 from dataclasses import replace
@@ -49,6 +50,48 @@ def test_hf_baseline_same_config_on_cpu(capsys):
     hf_config = transformers.BertConfig(**bench.config_to_hf(config))
     assert (hf_config.hidden_size, hf_config.num_hidden_layers, hf_config.num_attention_heads,
             hf_config.intermediate_size, hf_config.hidden_dropout_prob) == (128, 2, 2, 512, 0.1)
+
+
+def test_each_ablation_turns_off_its_feature_and_computes_what_ours_does(capsys, monkeypatch):
+    # the attention with one speed feature off, on our weights: the same outputs and gradients as model.py's
+    from model import SelfAttention
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=100, hidden_size=32, num_heads=4, intermediate_size=64, dropout=0.0)
+    x, mask = torch.randn(3, 7, 32), torch.ones(3, 7, dtype=torch.bool)
+    mask[0, 5:] = False  # a padded row
+    for kw in (dict(sdpa=False), dict(fused=False), dict(sdpa=False, fused=False)):
+        ours = SelfAttention(config)
+        ablated = bench.AttentionWithout(copy.deepcopy(ours), **kw)
+        assert (ablated.attn.qkv is None) == (kw.get("fused") is False)  # no idle fused weight for the optimizer
+        for attn_mask in (None, mask[:, None, None, :]):
+            x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+            y1, y2 = ours(x1, attn_mask), ablated(x2, attn_mask)
+            (y1 ** 2).sum().backward()
+            (y2 ** 2).sum().backward()
+            assert torch.allclose(y1, y2, atol=1e-5) and torch.allclose(x1.grad, x2.grad, atol=1e-4), kw
+    sdpa_calls = []
+    real_sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **k: sdpa_calls.append(1) or real_sdpa(*a, **k))
+    bench.AttentionWithout(SelfAttention(config), sdpa=False)(x)
+    assert not sdpa_calls  # written out
+    bench.AttentionWithout(SelfAttention(config), fused=False)(x)
+    assert sdpa_calls
+    # each bench row: every layer's attention swapped, or the vocabulary unpadded (30,522 rows, not 30,528)
+    made, real = [], bench.AttentionWithout
+    monkeypatch.setattr(bench, "AttentionWithout", lambda attn, **kw: made.append(kw) or real(attn, **kw))
+    args = types.SimpleNamespace(compile=0, batch_size=2, seq_len=8, loader=False)
+    for name, swapped, rows in (("mlm", None, 30528), ("no-sdpa", dict(sdpa=False), 30528),
+                                ("no-fused", dict(fused=False), 30528), ("no-pad", None, 30522)):
+        made.clear()
+        _, params = bench.build_ours(replace(TrainConfig(), objective="mlm"), BertConfig(**MODEL_PRESETS["tiny"]),
+                                     args, torch.device("cpu"), torch.autocast("cpu", enabled=False), ablation=name)
+        assert made == ([swapped] * 2 if swapped else []) and params[0].shape[0] == rows, name
+    results = bench.main(TINY + ["--objectives", "mlm", "--ablate"])
+    assert [r["objective"] for r in results] == ["mlm", "no-sdpa", "no-fused", "no-pad"]
+    assert all(r["vs_mlm"] > 0 for r in results) and "tiny   no-sdpa" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench.main(TINY + ["--objectives", "taco", "--ablate"])  # nothing to compare against
 
 
 def test_hf_masking_matches_the_collator():
@@ -215,10 +258,10 @@ def test_a_failing_run_keeps_the_other_rows_and_hf_runs_after_our_mlm(tmp_path, 
     pytest.importorskip("transformers")
     real = bench.build_ours
 
-    def build_ours(cfg, *rest):
+    def build_ours(cfg, *rest, **kw):
         if cfg.objective == "taco":
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-        return real(cfg, *rest)
+        return real(cfg, *rest, **kw)
     monkeypatch.setattr(bench, "build_ours", build_ours)
     out = tmp_path / "bench.json"
     results = bench.main(TINY + ["--objectives", "taco,mlm,electra", "--taco_negatives", "4", "--hf", "--json", str(out)])
@@ -230,7 +273,7 @@ def test_a_failing_run_keeps_the_other_rows_and_hf_runs_after_our_mlm(tmp_path, 
     saved = json.loads(out.read_text())
     assert len(saved["results"]) == 4 and len(saved["hf_ratios"]) == 1
     # our MLM failing leaves Hugging Face's row without a ratio, not a crash
-    monkeypatch.setattr(bench, "build_ours", lambda cfg, *rest: 1 / 0)
+    monkeypatch.setattr(bench, "build_ours", lambda cfg, *rest, **kw: 1 / 0)
     results = bench.main(TINY + ["--objectives", "mlm", "--hf", "--json", str(out)])
     assert "ZeroDivisionError" in results[0]["error"] and "error" not in results[1]
     assert json.loads(out.read_text())["hf_ratios"] == []
