@@ -513,13 +513,14 @@ def earlier_results(out, settings, tasks, log):
             log(f"note: {path} holds {', '.join(kept)} from the same export and settings: kept in the table")
         predicted = old.get("predictions") if isinstance(old.get("predictions"), dict) else {}
         return kept, {stem: p for stem, p in predicted.items() if SUBMISSIONS.get(stem, ("",))[0] in kept}
+    # its leaderboard files and fine-tuned models go with it, to the first K free for all of them; glue.json last:
+    # a kill before it leaves the rest to be moved next time
+    moves = lambda k: [(f"{stem}.tsv", f"{stem}.{k}.tsv") for stem in SUBMISSIONS] + [
+        ("models", f"models.{k}"), ("glue.md", f"glue.{k}.md"), ("glue.json", f"glue.{k}.json")]
     k = 1
-    while os.path.exists(os.path.join(out, f"glue.{k}.json")):
+    while any(os.path.exists(os.path.join(out, aside)) for _, aside in moves(k)):
         k += 1
-    # its leaderboard files and fine-tuned models go with it; glue.json last: a kill before it leaves the rest
-    # to be moved next time
-    for name, aside in [(f"{stem}.tsv", f"{stem}.{k}.tsv") for stem in SUBMISSIONS] + [
-            ("models", f"models.{k}"), ("glue.md", f"glue.{k}.md"), ("glue.json", f"glue.{k}.json")]:
+    for name, aside in moves(k):
         if os.path.exists(os.path.join(out, name)):
             os.replace(os.path.join(out, name), os.path.join(out, aside))
     log(f"note: {path} was made from another export or with other settings: moved to glue.{k}.json"

@@ -839,18 +839,19 @@ def test_a_second_call_extends_glue_json_or_moves_it_aside(tmp_path, tiny_model_
     assert "kept in the table" in capsys.readouterr().out
     (out / "CoLA.tsv").write_text("index\tprediction\n")  # as --predict and --save_model left them
     (out / "models" / "CoLA").mkdir(parents=True)
+    (out / "models.1" / "kept").mkdir(parents=True)  # a number taken by a folder alone is skipped, not overwritten
     ev.main(common + ["--tasks", "stsb", "--seeds", "2"])  # other seeds: the earlier files are moved, not lost
     assert set(json.loads((out / "glue.json").read_text())["tasks"]) == {"stsb"}
-    assert set(json.loads((out / "glue.1.json").read_text())["tasks"]) == {"cola", "stsb"}
-    assert (out / "glue.1.md").is_file() and "moved to glue.1.json" in capsys.readouterr().out
-    assert (out / "CoLA.1.tsv").read_text() == "index\tprediction\n" and (out / "models.1" / "CoLA").is_dir()
-    assert not (out / "CoLA.tsv").exists() and not (out / "models").exists()
+    assert set(json.loads((out / "glue.2.json").read_text())["tasks"]) == {"cola", "stsb"}
+    assert (out / "glue.2.md").is_file() and "moved to glue.2.json" in capsys.readouterr().out
+    assert (out / "CoLA.2.tsv").read_text() == "index\tprediction\n" and (out / "models.2" / "CoLA").is_dir()
+    assert not (out / "CoLA.tsv").exists() and not (out / "models").exists() and (out / "models.1" / "kept").is_dir()
     # another model at the same step, same settings: another export, so moved aside as well
     other = tmp_path / "other_model"
     shutil.copytree(tiny_model_dir, other)
     ev.main(["--model", str(other), "--glue_dir", glue, "--out", str(out), "--tasks", "cola", "--seeds", "2"])
     assert set(json.loads((out / "glue.json").read_text())["tasks"]) == {"cola"}
-    assert set(json.loads((out / "glue.2.json").read_text())["tasks"]) == {"stsb"}
+    assert set(json.loads((out / "glue.3.json").read_text())["tasks"]) == {"stsb"}
 
 
 def test_an_unwritable_model_directory_is_refused_before_fine_tuning(tmp_path, tiny_model_dir, capsys, monkeypatch):
