@@ -551,6 +551,10 @@ def _save_figure(fig, path, dpi=110):
 PLOTS = ("contextual", "self_similarity", "heatmap", "sentence_similarity", "word_similarity")  # analysis_NAME.png
 
 
+def plot_file(name, k=None):
+    return f"analysis_{name}.png" if k is None else f"analysis_{name}.{k}.png"  # k: an earlier one set aside
+
+
 def set_aside_earlier(out, head, paths, log=print):
     """An earlier analysis.json in `out` is replaced only by the same measurement redone (the same text,
     sentences, seed and max_len, and every model it held among `paths`: reproduce.py's growing set of runs);
@@ -568,12 +572,12 @@ def set_aside_earlier(out, head, paths, log=print):
             and isinstance(old.get("models"), dict)
             and {m.get("path") if isinstance(m, dict) else None for m in old["models"].values()} <= set(paths)):
         return
-    k = 1
-    while os.path.exists(os.path.join(out, f"analysis.{k}.json")):
+    k = 1  # the first number free for every file that moves
+    while any(os.path.exists(os.path.join(out, f)) for f in [f"analysis.{k}.json"] + [plot_file(n, k) for n in PLOTS]):
         k += 1
     for name in PLOTS:
-        if os.path.exists(os.path.join(out, f"analysis_{name}.png")):
-            os.replace(os.path.join(out, f"analysis_{name}.png"), os.path.join(out, f"analysis_{name}.{k}.png"))
+        if os.path.exists(os.path.join(out, plot_file(name))):
+            os.replace(os.path.join(out, plot_file(name)), os.path.join(out, plot_file(name, k)))
     os.replace(path, os.path.join(out, f"analysis.{k}.json"))  # last: a kill before it leaves it to move next time
     log(f"note: {path} was another measurement (other models, text, seed or --max_len): moved to analysis.{k}.json")
 
@@ -632,7 +636,7 @@ def run_analysis(args):
         results["models"][label] = {"path": path, "training_step": model.training_step, "max_len": max_len,
                                     **result}
         del model
-    png = lambda name: os.path.join(out, f"analysis_{name}.png")  # name: one of PLOTS
+    png = lambda name: os.path.join(out, plot_file(name))  # name: one of PLOTS
     plot_contextual(results, png("contextual"))
     plot_self_similarity(results, png("self_similarity"))
     plot_heatmaps(raws, heatmap_sentence, png("heatmap"))

@@ -676,6 +676,10 @@ def test_an_earlier_analysis_moves_aside_unless_redone(tok, tmp_path, monkeypatc
     assert json.loads((out / "analysis.json").read_text())["seed"] == 1
     names = analyse([b], 1)  # a model of the earlier one is missing: set aside too
     assert "analysis.2.json" in names and "analysis_word_similarity.2.png" in names
+    (out / "analysis.2.json").unlink()  # number 2 still taken by its plots: the next goes to 3, none overwritten
+    before = (out / "analysis_contextual.2.png").stat().st_mtime_ns
+    names = analyse([a], 1)
+    assert "analysis.3.json" in names and (out / "analysis_contextual.2.png").stat().st_mtime_ns == before
 
 
 # ----------------------------------------------------------------------------------
