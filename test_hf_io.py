@@ -8,6 +8,7 @@ import re
 import pytest
 import torch
 
+from hf_io import load_checkpoint_file
 from model import Bert, BertConfig
 
 transformers = pytest.importorskip("transformers")
@@ -70,6 +71,18 @@ def test_bad_checkpoints_are_clear_errors(tmp_path):
     for name in ("model.safetensors", "config.json"):  # one file of the directory, where the directory was meant
         with pytest.raises(ValueError, match=f"{name} is one file of a model directory: pass the directory"):
             Bert.from_pretrained(str(tmp_path / name))
+
+
+def test_bytes_flipped_inside_a_checkpoint_tensor_are_refused(tmp_path):
+    """torch.load never checks the zip records' CRC-32: a flipped byte in a tensor loaded as a garbled weight."""
+    path = tmp_path / "ckpt.pt"
+    torch.save({"model": {"w": torch.arange(4096, dtype=torch.float32)}, "model_config": {}}, str(path))
+    data = bytearray(path.read_bytes())
+    at = data.find(torch.arange(4096, dtype=torch.float32).numpy().tobytes()[4000:4016])
+    data[at:at + 16] = bytes(b ^ 0x5A for b in data[at:at + 16])
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"ckpt.pt: corrupt file \(.*data/0 fails its CRC check"):
+        load_checkpoint_file(str(path))
 
 
 @pytest.mark.parametrize("edit,problem", [
