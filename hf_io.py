@@ -19,6 +19,7 @@ refused on an unsafe torch), test_model.py (logits against transformers through 
 test_reliability.py test_a_pickle_payload_is_refused_and_never_runs and
 test_kill_between_checkpoint_and_export_leaves_a_loadable_run (a kill between the export's files).
 """
+import hashlib
 import json
 import math
 import os
@@ -280,8 +281,7 @@ def _read_vocab(path):
 
 def _read_weights(path):
     """The state dict of model.safetensors or pytorch_model.bin, or of the shards their .index.json lists."""
-    from safetensors.torch import load_file
-    for name, load in (("model.safetensors", load_file), ("pytorch_model.bin", _load_tensors)):
+    for name, load in (("model.safetensors", load_safetensors), ("pytorch_model.bin", _load_tensors)):
         file, index = os.path.join(path, name), os.path.join(path, name + ".index.json")
         try:
             if os.path.isfile(file):
@@ -296,10 +296,37 @@ def _read_weights(path):
         except ValueError:
             raise
         except Exception as e:
-            fix = (f"; python train.py --resume {path} rewrites it from ckpt.pt" if name == "model.safetensors" and
-                   os.path.isfile(os.path.join(path, "ckpt.pt")) else "")  # a run of this project
+            fix = _rewrite_hint(path) if name == "model.safetensors" else ""
             raise ValueError(f"{path}: corrupt weights file ({type(e).__name__}: {_last_line(e)}){fix}") from None
     raise ValueError(f"{path}: no model.safetensors or pytorch_model.bin (or their .index.json)")
+
+
+def _weights_sha1(state):
+    """sha1 over the names and bytes of a state dict's tensors (write_hf_dir records it in the weights' metadata)."""
+    h = hashlib.sha1()
+    for name in sorted(state):
+        h.update(name.encode())
+        h.update(state[name].detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def load_safetensors(path):
+    """safetensors' load_file, checked against the weights_sha1 an export of this project records: the format
+    has no checksum of its own, so bytes changed on disk would load as garbled weights."""
+    from safetensors import safe_open
+    with safe_open(path, "pt") as f:
+        expected = (f.metadata() or {}).get("weights_sha1")
+        state = {k: f.get_tensor(k) for k in f.keys()}
+    if expected is not None and _weights_sha1(state) != expected:
+        raise ValueError(f"{os.path.dirname(path) or '.'}: corrupt weights file (the tensors of model.safetensors do not "
+                         f"match the weights_sha1 saved with them){_rewrite_hint(os.path.dirname(path) or '.')}")
+    return state
+
+
+def _rewrite_hint(path):
+    """How to mend a damaged export of a run of this project (its ckpt.pt holds the weights)."""
+    return (f"; python train.py --resume {path} rewrites it from ckpt.pt"
+            if os.path.isfile(os.path.join(path, "ckpt.pt")) else "")
 
 
 def _load_tensors(path):
@@ -404,6 +431,8 @@ def write_hf_dir(out_dir, state, hf_config, metadata, tokenizer_dir=None):
     os.makedirs(out_dir, exist_ok=True)
     umask = os.umask(0)
     os.umask(umask)
+
+    metadata = {**metadata, "weights_sha1": _weights_sha1(state)}  # checked on loading
 
     def write_weights(tmp):
         save_file(state, tmp, metadata=metadata)

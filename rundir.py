@@ -31,7 +31,7 @@ from safetensors import SafetensorError
 import data
 import distributed
 from config import RankError, TrainConfig, data_path, init_dir, parse_args, pooled, validate
-from hf_io import load_checkpoint_file, replace_atomic, write_atomic
+from hf_io import load_checkpoint_file, load_safetensors, replace_atomic, write_atomic
 from model import Bert, BertConfig
 from monitor import Diverged, duration
 
@@ -321,11 +321,12 @@ def provenance(out_dir=None, diff_name="code.diff"):
 
 def export_step(out_dir):
     """The training step recorded in the Hugging Face export (model.safetensors and config.json), or
-    None when the two disagree or are missing."""
+    None when the two disagree, are missing or the weights are corrupt."""
     try:
         from safetensors import safe_open
         with safe_open(os.path.join(out_dir, "model.safetensors"), "pt") as f:
             weights_step = (f.metadata() or {}).get("training_step")
+        load_safetensors(os.path.join(out_dir, "model.safetensors"))  # checks its weights_sha1
         with open(os.path.join(out_dir, "config.json")) as f:
             config_step = json.load(f).get("training_step")
     except Exception:
