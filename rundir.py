@@ -144,6 +144,13 @@ def resume_config(cfg, given):
         if (os.path.realpath(old) != os.path.realpath(new)) if old and new and name == "init_from" else old != new:
             raise ValueError(f"--{name} {new}: the run in {run_dir} was made with {name} {old!r}, and a resume goes "
                              f"on with its own (to start a new run from its weights: --init_from {run_dir})")
+    started = last_start_config(run_dir)  # how this directory's run last started: a ckpt.pt copied in from another run differs
+    other = [k for k in ("objective", "model_size", "seed", "vocab_size", "seq_len")
+             if k in started and started[k] != getattr(saved, k)]
+    if other:
+        raise ValueError(f"--resume {path}: not this run's checkpoint ({', '.join(f'{k} {getattr(saved, k)!r}' for k in other)}"
+                         f", but {os.path.join(run_dir, 'log.jsonl')} last started with "
+                         f"{', '.join(f'{k} {started[k]!r}' for k in other)}): a ckpt.pt from another run")
     if given.get("max_steps", saved.max_steps) < ckpt["step"]:
         raise ValueError(f"--max_steps {given.get('max_steps', saved.max_steps)}: the run in {run_dir} is already at "
                          f"step {ckpt['step']}; to train on, pass a larger --max_steps")
@@ -151,6 +158,23 @@ def resume_config(cfg, given):
         raise ValueError(f"--resume continues the run in {run_dir}; --out_dir {given['out_dir']} is another "
                          f"directory (to start a new run from its weights, use --init_from {run_dir})")
     return replace(saved, **{**{k: v for k, v in given.items() if k != "preset"}, "out_dir": run_dir}), ckpt
+
+
+def last_start_config(run_dir):
+    """The config of log.jsonl's last start or resume line (the run's latest start), or {} when none is readable."""
+    config = {}
+    try:
+        with open(os.path.join(run_dir, "log.jsonl"), encoding="utf-8") as f:
+            for line in f:
+                if line.startswith('{"config"'):
+                    try:
+                        record = json.loads(line)
+                    except ValueError:
+                        continue
+                    config = record["config"] if isinstance(record.get("config"), dict) else config
+    except (OSError, UnicodeDecodeError):
+        return {}
+    return config
 
 
 def saved_config(ckpt, path="checkpoint"):

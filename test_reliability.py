@@ -453,6 +453,19 @@ def test_bytes_flipped_in_the_export_are_refused_and_resume_rewrites_it(corpus, 
     assert all(torch.equal(exported[k], v) for k, v in good.items())
 
 
+def test_a_ckpt_pt_copied_in_from_another_run_is_refused(corpus, cache, tmp_path, capsys):
+    """It resumed as the other run (its objective, its step) and rewrote this run's export from it."""
+    run, other = tmp_path / "run", tmp_path / "other"
+    assert run_main(flags(corpus, cache, run, max_steps=10), capsys)[0] == 0
+    assert run_main(flags(corpus, cache, other, max_steps=5) + ["--objective", "taco"], capsys)[0] == 0
+    export = (run / "model.safetensors").read_bytes()
+    shutil.copy(other / "ckpt.pt", run / "ckpt.pt")
+    code, _, err = run_main(["--resume", run], capsys)
+    assert code == 2
+    one_error(err, "not this run's checkpoint (objective 'taco'", "last started with objective 'mlm'")
+    assert (run / "model.safetensors").read_bytes() == export  # the export is untouched
+
+
 def no_space(*_):
     raise OSError(errno.ENOSPC, "No space left on device")
 
