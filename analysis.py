@@ -367,6 +367,10 @@ def held_out_documents(text_path, model_path):
     return [tok.decode(d.tolist()) for d in docs if len(d) > 1], f"{run_dir} validation split"
 
 
+EXPORT_VOCAB = (" (a run of this project exports a tokenizer of exactly its model's size: its tokenizer files were "
+                "replaced or edited)")
+
+
 def load_tokenizer(model_path):
     """The tokenizer of a run directory, a Hugging Face directory, or a ckpt.pt's directory."""
     return data.load_tokenizer(model_path if os.path.isdir(model_path) else os.path.dirname(model_path))
@@ -600,9 +604,10 @@ def run_analysis(args):
     os.makedirs(out, exist_ok=True)
     for path in models:  # every model checked first, one at a time: a bad --model is one line before any work
         model, tok = Bert.from_pretrained(path), load_tokenizer(path)
-        if tok.get_vocab_size() > model.config.vocab_size:  # ids beyond the embedding: not this model's tokenizer
+        if tok.get_vocab_size() > model.config.vocab_size or (  # ids beyond the embedding: not this model's tokenizer
+                model.training_step is not None and tok.get_vocab_size() != model.config.vocab_size):
             raise ValueError(f"{path}: the tokenizer has {tok.get_vocab_size()} tokens, the model "
-                             f"{model.config.vocab_size}")
+                             f"{model.config.vocab_size}{EXPORT_VOCAB if model.training_step is not None else ''}")
         if "max_len" in given and args.max_len > model.config.max_position_embeddings:  # as eval.py's GLUE refuses
             raise ValueError(f"--max_len {args.max_len}: exceeds {path}'s {model.config.max_position_embeddings} positions")
         if still_training(path):

@@ -330,6 +330,26 @@ def test_max_samples_and_default_out(tmp_path, tiny_model_dir, capsys, monkeypat
     assert out.count("warm-up steps shrink") == 1
 
 
+def test_an_export_with_a_smaller_tokenizer_put_in_is_refused(tmp_path, tiny_model_dir, capsys):
+    """Another run's tokenizer (a smaller vocabulary) copied into an export: every id fit the embedding, so GLUE
+    and the analyses ran on the wrong ids without a word."""
+    glue, model_dir = write_glue(tmp_path / "glue"), tmp_path / "m"
+    model_dir.mkdir()
+    for f in tiny_model_dir.iterdir():
+        (model_dir / f.name).write_bytes(f.read_bytes())
+    (model_dir / "tokenizer.json").unlink()
+    words = (model_dir / "vocab.txt").read_text().splitlines()
+    (model_dir / "vocab.txt").write_text("\n".join(words[:-10]) + "\n")  # the special tokens stay
+    for argv in (["--glue_dir", str(glue), "--tasks", "rte", "--epochs", "1", "--max_train_samples", "8"],
+                 ["--analysis", "--out", str(tmp_path / "a")]):
+        with pytest.raises(SystemExit) as e:
+            ev.main(["--model", str(model_dir)] + argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err
+        assert f"the tokenizer has {len(words) - 10} tokens, the model {len(words)}" in err
+        assert "its tokenizer files were replaced or edited" in err
+
+
 def test_a_subset_is_a_fixed_random_draw_not_the_first_rows():
     ds = datasets.Dataset.from_dict({"label": list(range(100))})  # CoLA's train rows are sorted by source
     rows = ev.subset(ds, 10)["label"]
