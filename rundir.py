@@ -418,7 +418,8 @@ class Run:
     def __init__(self, cfg, layout, ckpt, fingerprint):
         if ckpt and ckpt.get("data", fingerprint) != fingerprint:  # (checkpoints before this check have none)
             raise ValueError(f"--resume {cfg.out_dir}: --data {cfg.data} is not the data this run was trained on "
-                             f"(then {ckpt['data']}, now {fingerprint}): the files were edited, replaced or moved")
+                             f"(then {ckpt['data']}, now {fingerprint}): the files were edited, replaced or moved, or the run's "
+                             f"tokenizer files in {cfg.out_dir} were (they make the tokens)")
         same_on_every_rank(cfg, layout, fingerprint)
         self.cfg, self.layout, self.ckpt, self.fingerprint = cfg, layout, ckpt, fingerprint
         self.saved_step, self.log_file, self.diff_name = 0, None, "code.diff"
