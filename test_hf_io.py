@@ -83,6 +83,13 @@ def test_bytes_flipped_inside_a_checkpoint_tensor_are_refused(tmp_path):
     path.write_bytes(bytes(data))
     with pytest.raises(ValueError, match=r"ckpt.pt: corrupt file \(.*data/0 fails its CRC check"):
         load_checkpoint_file(str(path))
+    # a file saved without CRCs (torch.serialization.set_crc32_options(False) records 0s) still loads
+    torch.serialization.set_crc32_options(False)
+    try:
+        torch.save({"model": {"w": torch.arange(4096, dtype=torch.float32)}, "model_config": {}}, str(path))
+    finally:
+        torch.serialization.set_crc32_options(True)
+    assert torch.equal(load_checkpoint_file(str(path))["model"]["w"], torch.arange(4096, dtype=torch.float32))
 
 
 @pytest.mark.parametrize("edit,problem", [
