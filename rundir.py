@@ -30,6 +30,7 @@ from safetensors import SafetensorError
 
 import data
 import distributed
+import token_files
 from config import RankError, TrainConfig, data_path, init_dir, parse_args, pooled, validate
 from hf_io import load_checkpoint_file, load_safetensors, replace_atomic, write_atomic
 from model import Bert, BertConfig
@@ -391,6 +392,16 @@ def run_tokenizer(cfg, ckpt):
         return cfg.tokenizer or None
     if not any(os.path.isfile(os.path.join(cfg.out_dir, f)) for f in ("tokenizer.json", "vocab.txt")):
         raise ValueError(f"--resume {cfg.out_dir}: the run's tokenizer.json / vocab.txt are missing")
+    # the run reads tokenizer.json (the data check covers it), transformers' BertTokenizer its vocab.txt
+    both = [os.path.join(cfg.out_dir, f) for f in ("tokenizer.json", "vocab.txt")]
+    if all(map(os.path.isfile, both)):
+        try:
+            tok = token_files.read_tokenizer(both[0])[0]
+        except (ValueError, OSError):
+            tok = None  # unreadable: data.load_tokenizer's error line says so
+        if tok and not token_files.vocab_matches(tok, cfg.out_dir):
+            raise ValueError(f"--resume {cfg.out_dir}: its vocab.txt disagrees with its tokenizer.json (edited or "
+                             f"replaced); put back the run's vocab.txt (the cache's tokenizer-* directory has a copy)")
     return cfg.out_dir
 
 

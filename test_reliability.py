@@ -361,6 +361,23 @@ def test_resume_keeps_the_runs_own_tokenizer_when_the_cache_is_gone(corpus, tmp_
     assert not [p for p in own_cache.iterdir() if p.name.startswith("tokenizer-")]  # no tokenizer trained
 
 
+def test_a_vocab_txt_that_disagrees_with_the_runs_tokenizer_json_is_refused_on_resume(corpus, cache, tmp_path,
+                                                                                       capsys):
+    # the run reads tokenizer.json; a damaged vocab.txt beside it went unnoticed, and transformers' BertTokenizer
+    # (which reads vocab.txt) would get another vocabulary from the export
+    out_dir = tmp_path / "run"
+    code, _, err = run_main(flags(corpus, cache, out_dir, max_steps=10), capsys)
+    assert code == 0, err
+    good = (out_dir / "vocab.txt").read_bytes()
+    for damaged in (good.replace(b"\nthe\n", b"\nteh\n", 1), good[:len(good) // 2], b"\xff\xfe" + good):
+        (out_dir / "vocab.txt").write_bytes(damaged)
+        code, _, err = run_main(["--resume", out_dir, "--max_steps", 20], capsys)
+        assert code == 2 and "its vocab.txt disagrees with its tokenizer.json" in one_error(err)
+    (out_dir / "vocab.txt").write_bytes(good)
+    code, _, err = run_main(["--resume", out_dir, "--max_steps", 20], capsys)
+    assert code == 0, err
+
+
 def test_a_kill_inside_the_first_checkpoint_leaves_a_run_that_starts_again(corpus, cache, tmp_path, capsys,
                                                                            monkeypatch):
     # ckpt.pt is written before the export: a run stopped inside its first ckpt.pt has no export either, so its

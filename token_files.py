@@ -288,6 +288,15 @@ def cache_ok(path):
     print(f"token cache {path} is incomplete or corrupt ({problem}): rebuilding it")
     return False
 
+def vocab_matches(tok, dir):
+    """Whether dir's vocab.txt (what transformers' BertTokenizer reads) lists tok's vocabulary in id order
+    (False when it cannot be read)."""
+    vocab = tok.get_vocab()
+    try:
+        return Path(dir, "vocab.txt").read_text(encoding="utf-8").splitlines() == sorted(vocab, key=vocab.get)
+    except (ValueError, OSError):  # not UTF-8, a directory, unreadable
+        return False
+
 def cached_tokenizer(dir):
     """The tokenizer cached in dir, or None when it is missing or one of its files is unreadable (dir is
     then removed)."""
@@ -295,9 +304,7 @@ def cached_tokenizer(dir):
         return None
     try:
         tok, _ = read_tokenizer(dir / "tokenizer.json")
-        words = (dir / "vocab.txt").read_text(encoding="utf-8").splitlines()
-        vocab = tok.get_vocab()
-        if words != sorted(vocab, key=vocab.get):
+        if not vocab_matches(tok, dir):
             raise ValueError("vocab.txt disagrees with tokenizer.json")
         read_tokenizer(dir)  # the configs, as transformers and eval.py will read them
         return tok
