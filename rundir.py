@@ -145,7 +145,8 @@ def resume_config(cfg, given):
         if (os.path.realpath(old) != os.path.realpath(new)) if old and new and name == "init_from" else old != new:
             raise ValueError(f"--{name} {new}: the run in {run_dir} was made with {name} {old!r}, and a resume goes "
                              f"on with its own (to start a new run from its weights: --init_from {run_dir})")
-    started = last_start_config(run_dir)  # how this directory's run last started: a ckpt.pt copied in from another run differs
+    # how this directory's run last started: a ckpt.pt copied in from another run differs
+    started = last_start_config(run_dir)
     other = [k for k in ("objective", "model_size", "seed", "vocab_size", "seq_len")
              if k in started and started[k] != getattr(saved, k)]
     if other:
