@@ -367,8 +367,15 @@ def held_out_documents(text_path, model_path):
     return [tok.decode(d.tolist()) for d in docs if len(d) > 1], f"{run_dir} validation split"
 
 
-EXPORT_VOCAB = (" (a run of this project exports a tokenizer of exactly its model's size: its tokenizer files were "
-                "replaced or edited)")
+def tokenizer_problem(model, tok, path):
+    """The error line when tok is not model's tokenizer (ids beyond its embedding; for an export of this
+    project, any other size: a run exports a tokenizer of exactly its model's size), else None."""
+    size, rows, ours = tok.get_vocab_size(), model.config.vocab_size, model.training_step is not None
+    if size > rows or (ours and size != rows):
+        return (f"{path}: the tokenizer has {size} tokens, the model {rows}" + (
+            " (a run of this project exports a tokenizer of exactly its model's size: its tokenizer files were "
+            "replaced or edited)" if ours else ""))
+    return None
 
 
 def load_tokenizer(model_path):
@@ -604,10 +611,8 @@ def run_analysis(args):
     os.makedirs(out, exist_ok=True)
     for path in models:  # every model checked first, one at a time: a bad --model is one line before any work
         model, tok = Bert.from_pretrained(path), load_tokenizer(path)
-        if tok.get_vocab_size() > model.config.vocab_size or (  # ids beyond the embedding: not this model's tokenizer
-                model.training_step is not None and tok.get_vocab_size() != model.config.vocab_size):
-            raise ValueError(f"{path}: the tokenizer has {tok.get_vocab_size()} tokens, the model "
-                             f"{model.config.vocab_size}{EXPORT_VOCAB if model.training_step is not None else ''}")
+        if tokenizer_problem(model, tok, path):
+            raise ValueError(tokenizer_problem(model, tok, path))
         if "max_len" in given and args.max_len > model.config.max_position_embeddings:  # as eval.py's GLUE refuses
             raise ValueError(f"--max_len {args.max_len}: exceeds {path}'s {model.config.max_position_embeddings} positions")
         if still_training(path):

@@ -925,11 +925,9 @@ def main(argv=None):
     for flag in ("steps", "extra_steps", "glue_train_rows") if args.command == "run" else ():
         if getattr(args, flag) is not None and getattr(args, flag) < 1:  # 0 ran the default; < 0 failed on the device
             p.error(f"--{flag} {getattr(args, flag)}: must be >= 1")
-    if args.command == "run":  # reproduce.py's check, here: before the wheels, the CUDA check and every stage fail
-        recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
-        unknown = [r for r in recipes if r not in reproduce.RECIPES] or ([] if recipes else [args.recipes])
-        if unknown:
-            p.error(f"--recipes: unknown GLUE recipe {unknown[0]!r} (choose from {', '.join(reproduce.RECIPES)})")
+    problem = reproduce.parse_recipes(args.recipes)[1] if args.command == "run" else None
+    if problem:  # reproduce.py's check, here: before the wheels, the CUDA check and every stage fail
+        p.error(problem)
     if args.command == "prepare":
         prepare(args)
     elif args.command == "run":

@@ -542,9 +542,8 @@ def run_glue(args, log=print):
     model_dir = args.model if os.path.isdir(args.model) else os.path.dirname(os.path.abspath(args.model))
     tok = load_tokenizer(model_dir)
     cfg = base.config
-    if tok.get_vocab_size() > cfg.vocab_size or base.training_step is not None and tok.get_vocab_size() != cfg.vocab_size:
-        raise ValueError(f"{model_dir}: the tokenizer has {tok.get_vocab_size()} tokens, the model {cfg.vocab_size}"
-                         f"{analysis.EXPORT_VOCAB if base.training_step is not None else ''}")
+    if analysis.tokenizer_problem(base, tok, model_dir):
+        raise ValueError(analysis.tokenizer_problem(base, tok, model_dir))
     ids, mine = special_token_ids(tok), (cfg.pad_token_id, cfg.cls_token_id, cfg.sep_token_id)
     if (ids["pad"], ids["cls"], ids["sep"]) != mine:  # config.json's ids, or a guess where it has none
         raise ValueError(f"{model_dir}: the tokenizer's [PAD], [CLS], [SEP] are {ids['pad']}, {ids['cls']}, "

@@ -816,6 +816,15 @@ class Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+def parse_recipes(text):
+    """(the comma list of GLUE recipes, deduplicated, or None; the error line or None): "" is an error."""
+    recipes = ",".join(dict.fromkeys(r.strip() for r in text.split(",") if r.strip()))
+    unknown = [r for r in recipes.split(",") if r not in RECIPES]
+    if unknown or not recipes:
+        return None, f"--recipes: unknown GLUE recipe {(unknown or [''])[0]!r} (choose from {', '.join(RECIPES)})"
+    return recipes, None
+
+
 def parse(argv):
     """The flags, checked (one error line and exit 2 for anything wrong) and resolved into args."""
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -859,11 +868,9 @@ def parse(argv):
     args.steps = args.steps or scale["steps"]
     args.extra_steps = args.extra_steps or scale["extra_steps"]
     args.glue_train_rows = args.glue_train_rows or scale["glue_train_rows"]
-    recipes = (scale["recipes"] if args.recipes is None else args.recipes).split(",")  # "" is an error below
-    args.recipes = ",".join(dict.fromkeys(r.strip() for r in recipes if r.strip()))
-    unknown = [r for r in args.recipes.split(",") if r not in RECIPES]
-    if unknown or not args.recipes:
-        p.error(f"--recipes: unknown GLUE recipe {(unknown or [''])[0]!r} (choose from {', '.join(RECIPES)})")
+    args.recipes, problem = parse_recipes(scale["recipes"] if args.recipes is None else args.recipes)
+    if problem:
+        p.error(problem)
     # eval.py's spelling ("STS-B" -> "stsb"), checked here: a bad name must not cost the pretraining first
     tasks = scale["tasks"] if args.tasks is None else args.tasks  # "" (an unset variable) is an error, not the default
     args.tasks = ",".join(dict.fromkeys(t.strip().lower().replace("-", "") for t in tasks.split(",") if t.strip()))

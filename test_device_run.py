@@ -382,7 +382,7 @@ def test_run_flags_that_reproduce_py_would_refuse_are_refused_before_the_run(tmp
     monkeypatch.setattr(device_run, "run", lambda args: pytest.fail(f"ran with {args}"))
     for argv, needle in ((["--steps", "0"], "--steps 0: must be >= 1"), (["--extra_steps", "-5"], "--extra_steps -5"),
                          (["--glue_train_rows", "0"], "--glue_train_rows 0"),
-                         (["--recipes", "paper,best"], "unknown GLUE recipe 'best'"), (["--recipes", ","], "recipe ','")):
+                         (["--recipes", "paper,best"], "unknown GLUE recipe 'best'"), (["--recipes", ","], "unknown GLUE recipe ''")):
         with pytest.raises(SystemExit) as stop:
             device_run.main(["run", "mlm-taco", "--out", str(tmp_path / "out"), *argv])
         err = capsys.readouterr().err
