@@ -45,6 +45,7 @@ from corpus import read_text
 from glue_tasks import TASKS, load_hub, read_tsv
 from hf_io import replace_atomic, still_training, write_atomic
 from model import Bert
+from token_files import vocab_matches
 
 ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
 WORDSIM353 = os.path.join(ASSETS, "wordsim353", "combined.csv")
@@ -369,12 +370,18 @@ def held_out_documents(text_path, model_path):
 
 def tokenizer_problem(model, tok, path):
     """The error line when tok is not model's tokenizer (ids beyond its embedding; for an export of this
-    project, any other size: a run exports a tokenizer of exactly its model's size), else None."""
+    project, any other size, or a vocab.txt that is not tokenizer.json's: a run exports both, of exactly its
+    model's size), else None."""
     size, rows, ours = tok.get_vocab_size(), model.config.vocab_size, model.training_step is not None
     if size > rows or (ours and size != rows):
         return (f"{path}: the tokenizer has {size} tokens, the model {rows}" + (
             " (a run of this project exports a tokenizer of exactly its model's size: its tokenizer files were "
             "replaced or edited)" if ours else ""))
+    folder = path if os.path.isdir(path) else os.path.dirname(path)
+    if ours and os.path.lexists(os.path.join(folder, "vocab.txt")) and not vocab_matches(tok, folder):
+        # we read tokenizer.json; transformers' BertTokenizer reads vocab.txt: results would not carry over
+        return (f"{path}: its vocab.txt disagrees with its tokenizer.json (edited or replaced): put back the "
+                f"run's vocab.txt (the cache's tokenizer-* directory has a copy)")
     return None
 
 
@@ -608,7 +615,6 @@ def run_analysis(args):
     problem = dir_problem(out)
     if problem:  # before any work: the default --out is the model's own directory
         raise ValueError(f"cannot write the analysis into {out}: it {problem}; pass --out DIR")
-    os.makedirs(out, exist_ok=True)
     for path in models:  # every model checked first, one at a time: a bad --model is one line before any work
         model, tok = Bert.from_pretrained(path), load_tokenizer(path)
         if tokenizer_problem(model, tok, path):
@@ -619,6 +625,7 @@ def run_analysis(args):
             print(f"note: {path} is still training (a train.py holds its .lock): this analyses its step "
                   f"{model.training_step} export, and analysis.json records that step")
         del model  # loaded again at its turn: six base models at once would hold 2.6 GB
+    os.makedirs(out, exist_ok=True)  # after the checks: a refused --model leaves no empty --out behind
     documents, text_source = held_out_documents(args.text, models[0])
     sentences = load_sentences(documents, args.num_sentences, args.seed)
     if len(sentences) < 2:

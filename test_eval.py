@@ -350,6 +350,25 @@ def test_an_export_with_a_smaller_tokenizer_put_in_is_refused(tmp_path, tiny_mod
         assert "its tokenizer files were replaced or edited" in err
 
 
+def test_an_export_whose_vocab_txt_disagrees_with_its_tokenizer_json_is_refused(tmp_path, tiny_model_dir, capsys):
+    """We read tokenizer.json, transformers' BertTokenizer vocab.txt: two swapped lines of vocab.txt left our
+    scores untouched and gave a user of the export other ids, unnoticed."""
+    glue, model_dir = write_glue(tmp_path / "glue"), tmp_path / "m"
+    model_dir.mkdir()
+    for f in tiny_model_dir.iterdir():
+        (model_dir / f.name).write_bytes(f.read_bytes())
+    words = (model_dir / "vocab.txt").read_text().splitlines()
+    words[10], words[11] = words[11], words[10]
+    (model_dir / "vocab.txt").write_text("\n".join(words) + "\n")
+    for argv in (["--glue_dir", str(glue), "--tasks", "rte", "--epochs", "1", "--max_train_samples", "8"],
+                 ["--analysis", "--out", str(tmp_path / "a")]):
+        with pytest.raises(SystemExit) as e:
+            ev.main(["--model", str(model_dir)] + argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1 and "vocab.txt disagrees with its tokenizer.json" in err
+    assert not (tmp_path / "a").exists() and not (model_dir / "glue.json").exists()
+
+
 def test_a_subset_is_a_fixed_random_draw_not_the_first_rows():
     ds = datasets.Dataset.from_dict({"label": list(range(100))})  # CoLA's train rows are sorted by source
     rows = ev.subset(ds, 10)["label"]
