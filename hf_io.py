@@ -79,13 +79,17 @@ def from_pretrained(cls, path, mlm_head=True):
         raise ValueError(f"{cfg_path}: not a valid BERT config (no {e} key)") from None
     except ValueError as e:  # not JSON, not UTF-8, or a value BertConfig refuses
         raise ValueError(f"{cfg_path}: not a valid BERT config ({_last_line(e)})") from None
-    state = _read_weights(path)
+    metadata = {}
+    state = _read_weights(path, metadata)
     _check_sizes(config, state, cfg_path)
     model = cls(config)
     if not mlm_head:
         state = {k: v for k, v in state.items() if not k.startswith("cls.")}
     model.fresh_head = not model.load_hf_state_dict(state, source=path)
-    model.training_step = hf.get("training_step")  # an export of this project says which step it holds
+    # an export of this project says which step it holds; the weights' own record wins: config.json is written
+    # after them, so one read while a train.py exports (or after a kill between the two) is of the step before
+    step = metadata.get("training_step")
+    model.training_step = int(step) if isinstance(step, str) and step.isdigit() else hf.get("training_step")
     return model
 
 
@@ -279,9 +283,11 @@ def _read_vocab(path):
     return None
 
 
-def _read_weights(path):
-    """The state dict of model.safetensors or pytorch_model.bin, or of the shards their .index.json lists."""
-    for name, load in (("model.safetensors", load_safetensors), ("pytorch_model.bin", _load_tensors)):
+def _read_weights(path, metadata=None):
+    """The state dict of model.safetensors or pytorch_model.bin, or of the shards their .index.json lists;
+    metadata (a dict) receives the safetensors files' metadata."""
+    safetensors = lambda file: load_safetensors(file, metadata)
+    for name, load in (("model.safetensors", safetensors), ("pytorch_model.bin", _load_tensors)):
         file, index = os.path.join(path, name), os.path.join(path, name + ".index.json")
         try:
             if os.path.isfile(file):
@@ -310,13 +316,17 @@ def _weights_sha1(state):
     return h.hexdigest()
 
 
-def load_safetensors(path):
+def load_safetensors(path, metadata=None):
     """safetensors' load_file, checked against the weights_sha1 an export of this project records: the format
-    has no checksum of its own, so bytes changed on disk would load as garbled weights."""
+    has no checksum of its own, so bytes changed on disk would load as garbled weights. metadata (a dict)
+    receives the file's metadata, read from the same open file as the weights (training_step: their step)."""
     from safetensors import safe_open
     with safe_open(path, "pt") as f:
-        expected = (f.metadata() or {}).get("weights_sha1")
+        found = f.metadata() or {}
+        expected = found.get("weights_sha1")
         state = {k: f.get_tensor(k) for k in f.keys()}
+    if metadata is not None:
+        metadata.update(found)
     if expected is not None and _weights_sha1(state) != expected:
         raise ValueError(f"{os.path.dirname(path) or '.'}: corrupt weights file (the tensors of model.safetensors do not "
                          f"match the weights_sha1 saved with them){_rewrite_hint(os.path.dirname(path) or '.')}")

@@ -290,6 +290,25 @@ def test_a_detector_run_checkpoint_says_its_mlm_head_is_untrained(tmp_path):
     assert Bert.from_pretrained(str(tmp_path / "ckpt.pt")).training_step == 9  # eval.py --model .../ckpt.pt
 
 
+def test_an_export_read_while_its_run_saves_the_next_one_records_the_step_of_its_weights(tmp_path, monkeypatch):
+    """eval.py or --init_from reading a run that is still training: train.py's next export (weights, then
+    config.json) landed between the reader's config.json and its weights, and the step of the config was
+    reported (glue.json, analysis.json) for the weights of the next one."""
+    import hf_io
+    run = tmp_path / "run"
+    torch.manual_seed(0)
+    Bert(BertConfig(**TINY)).save_pretrained(str(run), step=7)
+    newer, read_weights = Bert(BertConfig(**TINY)), hf_io._read_weights
+
+    def next_checkpoint_lands(path, *args):  # config.json of step 7 is read: now train.py exports step 8
+        newer.save_pretrained(str(run), step=8)
+        return read_weights(path, *args)
+    monkeypatch.setattr(hf_io, "_read_weights", next_checkpoint_lands)
+    loaded = Bert.from_pretrained(str(run))
+    assert all(torch.equal(v, newer.hf_state_dict()[k]) for k, v in loaded.hf_state_dict().items())
+    assert loaded.training_step == 8
+
+
 def test_an_export_says_its_step_and_whether_its_run_is_still_training(tmp_path):
     fcntl = pytest.importorskip("fcntl")  # POSIX: Windows runs take no flock
     from hf_io import still_training
