@@ -430,10 +430,14 @@ def still_training(path):
     """True while a train.py holds the .lock of the run directory `path` is in (or is): its export and
     ckpt.pt move on at each checkpoint, so a score made now is of one step of an unfinished run."""
     lock = os.path.join(path if os.path.isdir(path) else os.path.dirname(path) or ".", ".lock")
-    if os.name == "nt" or not os.path.isfile(lock):
+    if os.name == "nt":
         return False
     import fcntl
-    with open(lock) as f:
+    try:
+        f = open(lock)
+    except OSError:  # no run there, or one that ended (and deleted its .lock) since it was looked for
+        return False
+    with f:
         try:
             fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except OSError:

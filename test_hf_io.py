@@ -319,6 +319,12 @@ def test_an_export_says_its_step_and_whether_its_run_is_still_training(tmp_path)
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
         assert still_training(str(run)) and still_training(str(run / "ckpt.pt"))
     assert not still_training(str(run))  # released, however its holder ended
+    # a run that ends (and deletes its .lock) between the look for the file and its opening: eval.py stopped with
+    # "error: [Errno 2] No such file or directory: '.../.lock'" before any fine-tuning
+    (run / ".lock").unlink()
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(os.path, "isfile", lambda path: True)  # the .lock seen an instant before it went
+        assert not still_training(str(run))
     # a torn export of a run that has its ckpt.pt: the error says how to rewrite it (without one, nothing can)
     (run / "model.safetensors").write_bytes((run / "model.safetensors").read_bytes()[:100])
     with pytest.raises(ValueError, match="corrupt weights file") as info:
