@@ -45,6 +45,7 @@ from corpus import read_text
 from glue_tasks import TASKS, load_hub, read_tsv
 from hf_io import replace_atomic, still_training, write_atomic
 from model import Bert
+from rundir import locked
 from token_files import vocab_matches
 
 ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
@@ -642,24 +643,27 @@ def run_analysis(args):
     results = {"text": text_source, "num_sentences": len(sentences), "seed": args.seed, "max_len": args.max_len,
                "stsb": stsb_source and f"{stsb_source} (validation split)", "heatmap_sentence": heatmap_sentence,
                "models": {}}
-    set_aside_earlier(out, {k: results[k] for k in ("text", "num_sentences", "seed", "max_len")}, models)
-    raws = {}
-    for label, path in zip(_labels(models), models):
-        print(f"analysing {path}")
-        model, tok = Bert.from_pretrained(path).to(device).eval(), load_tokenizer(path)
-        max_len = min(args.max_len, model.config.max_position_embeddings)  # the default 128 on a shorter model
-        result, raws[label] = analyze_model(model, tok, sentences, max_len, device, args.seed, stsb_rows,
-                                            heatmap_sentence)
-        results["models"][label] = {"path": path, "training_step": model.training_step, "max_len": max_len,
-                                    **result}
-        del model
-    png = lambda name: os.path.join(out, plot_file(name))  # name: one of PLOTS
-    plot_contextual(results, png("contextual"))
-    plot_self_similarity(results, png("self_similarity"))
-    plot_heatmaps(raws, heatmap_sentence, png("heatmap"))
-    plot_sentence_similarity(raws, png("sentence_similarity"))
-    plot_word_similarity(results, raws, png("word_similarity"))
-    _save_json(_finite(results), os.path.join(out, "analysis.json"))  # last: its presence means the whole analysis
+    # one eval.py --analysis at a time writes here: two wrote their plots and analysis.json over each other (the
+    # last analysis.json beside the other's plots), or one died on the other's temporary file
+    with locked(out, ".analysis.lock", f"the analysis' output directory {out}"):
+        set_aside_earlier(out, {k: results[k] for k in ("text", "num_sentences", "seed", "max_len")}, models)
+        raws = {}
+        for label, path in zip(_labels(models), models):
+            print(f"analysing {path}")
+            model, tok = Bert.from_pretrained(path).to(device).eval(), load_tokenizer(path)
+            max_len = min(args.max_len, model.config.max_position_embeddings)  # the default 128 on a shorter model
+            result, raws[label] = analyze_model(model, tok, sentences, max_len, device, args.seed, stsb_rows,
+                                                heatmap_sentence)
+            results["models"][label] = {"path": path, "training_step": model.training_step, "max_len": max_len,
+                                        **result}
+            del model
+        png = lambda name: os.path.join(out, plot_file(name))  # name: one of PLOTS
+        plot_contextual(results, png("contextual"))
+        plot_self_similarity(results, png("self_similarity"))
+        plot_heatmaps(raws, heatmap_sentence, png("heatmap"))
+        plot_sentence_similarity(raws, png("sentence_similarity"))
+        plot_word_similarity(results, raws, png("word_similarity"))
+        _save_json(_finite(results), os.path.join(out, "analysis.json"))  # last: its presence means the whole analysis
     print_summary(results)
     print(f"wrote analysis.json and analysis_*.png to {out}")
     return results

@@ -53,6 +53,7 @@ from glue_scores import AVG8, AVG9, MAIN, glue_table, like_for_like, score
 from glue_tasks import SUBMISSIONS, TASKS, TaskMissing, load_task
 from hf_io import config_to_hf, still_training, write_atomic, write_hf_dir
 from model import Bert
+from rundir import locked
 
 # ----------------------------------------------------------------------------------------------
 # Tasks and data
@@ -598,57 +599,60 @@ def run_glue(args, log=print):
         protocol=protocol, seeds=seeds, fixed=fixed,
         max_train_samples=args.max_train_samples, max_eval_samples=args.max_eval_samples,
         group_by_length=args.group_by_length, data=os.path.abspath(args.glue_dir) if args.glue_dir else "hub")))
-    results, earlier_predictions = earlier_results(out, settings, [t.name for t in tasks], log)
-    predictions = {}  # this call's leaderboard files
-    t_all = time.time()
+    # one eval.py at a time writes GLUE results here: a second one read the same glue.json, and the last to write
+    # it dropped the other's tasks (or moved its files aside while it wrote them)
+    with locked(out, ".glue.lock", f"GLUE's output directory {out}"):
+        results, earlier_predictions = earlier_results(out, settings, [t.name for t in tasks], log)
+        predictions = {}  # this call's leaderboard files
+        t_all = time.time()
 
-    def write_report(not_run=()):
-        """glue.json and glue.md of the tasks done so far, rewritten after each task: a run stopped
-        later keeps them. not_run: the tasks still to come."""
-        counts = {len(r["runs"]) for r in results.values() if r["status"] == "ok"}
-        n_runs = max(counts)
-        combos = n_runs // len(seeds)
-        runs_label = (f"seed {seeds[0]}" if n_runs == 1 else f"{len(seeds)} seeds" if combos == 1 else
-                      f"{combos} combinations x {len(seeds)} seed{'s' * (len(seeds) > 1)}")
-        if len(counts) > 1:  # --num_combos beyond a task's grid: that task runs its whole grid
-            runs_label += " (fewer on tasks whose grid is smaller)"
-        report = dict(name=os.path.basename(os.path.normpath(model_dir)), model=args.model,
-                      training_step=base.training_step, recipe=args.recipe,
-                      model_size=size, protocol=protocol, seeds=seeds, runs_per_task=n_runs,
-                      runs_label=runs_label, group_by_length=args.group_by_length, args=vars(args), device=str(device),
-                      torch=torch.__version__, model_config=vars(cfg), time_s=time.time() - t_all, settings=settings,
-                      tasks=results)
-        values = {stat: {(t, k): v for t, r in results.items() if r["status"] == "ok" for k, v in r[stat].items()}
-                  for stat in ("mean", "median")}
-        report["avg9"] = {stat: like_for_like(v, AVG9, present=v) for stat, v in values.items()}
-        report["avg8"] = {stat: like_for_like(v, AVG8, present=v) for stat, v in values.items()}
-        report["missing"] = [n for n, r in results.items() if r["status"] == "missing"]
-        report["not_run"] = list(not_run)
-        if predictions or earlier_predictions:
-            report["predictions"] = {**earlier_predictions, **predictions}
-        table = glue_table(report, compare=args.compare)
-        os.makedirs(out, exist_ok=True)
-        write_atomic(os.path.join(out, "glue.json"), json.dumps(report, indent=2))
-        write_atomic(os.path.join(out, "glue.md"), table + "\n")
-        return report, table
+        def write_report(not_run=()):
+            """glue.json and glue.md of the tasks done so far, rewritten after each task: a run stopped
+            later keeps them. not_run: the tasks still to come."""
+            counts = {len(r["runs"]) for r in results.values() if r["status"] == "ok"}
+            n_runs = max(counts)
+            combos = n_runs // len(seeds)
+            runs_label = (f"seed {seeds[0]}" if n_runs == 1 else f"{len(seeds)} seeds" if combos == 1 else
+                          f"{combos} combinations x {len(seeds)} seed{'s' * (len(seeds) > 1)}")
+            if len(counts) > 1:  # --num_combos beyond a task's grid: that task runs its whole grid
+                runs_label += " (fewer on tasks whose grid is smaller)"
+            report = dict(name=os.path.basename(os.path.normpath(model_dir)), model=args.model,
+                          training_step=base.training_step, recipe=args.recipe,
+                          model_size=size, protocol=protocol, seeds=seeds, runs_per_task=n_runs,
+                          runs_label=runs_label, group_by_length=args.group_by_length, args=vars(args),
+                          device=str(device), torch=torch.__version__, model_config=vars(cfg),
+                          time_s=time.time() - t_all, settings=settings, tasks=results)
+            values = {stat: {(t, k): v for t, r in results.items() if r["status"] == "ok" for k, v in r[stat].items()}
+                      for stat in ("mean", "median")}
+            report["avg9"] = {stat: like_for_like(v, AVG9, present=v) for stat, v in values.items()}
+            report["avg8"] = {stat: like_for_like(v, AVG8, present=v) for stat, v in values.items()}
+            report["missing"] = [n for n, r in results.items() if r["status"] == "missing"]
+            report["not_run"] = list(not_run)
+            if predictions or earlier_predictions:
+                report["predictions"] = {**earlier_predictions, **predictions}
+            table = glue_table(report, compare=args.compare)
+            os.makedirs(out, exist_ok=True)
+            write_atomic(os.path.join(out, "glue.json"), json.dumps(report, indent=2))
+            write_atomic(os.path.join(out, "glue.md"), table + "\n")
+            return report, table
 
-    try:
-        for i, task in enumerate(tasks):
-            if task.name in missing:
-                results[task.name] = missing[task.name]
-                continue
-            results[task.name], task_predictions = glue_task(task, loaded.pop(task.name), args, base, tok, size,
-                                                             fixed, seeds, device, out, model_dir, log)
-            predictions.update(task_predictions)
-            write_report([t.name for t in tasks[i + 1:] if t.name not in missing])
-    except KeyboardInterrupt:  # main() prints it as one line
-        done = [name for name, r in results.items() if r["status"] == "ok"]
-        raise KeyboardInterrupt(f"glue.json and glue.md in {out} hold {', '.join(done)}" if done else
-                                "no task was finished, nothing was written") from None
-    report, table = write_report()
-    written = [f"{stem}.tsv" for stem, p in predictions.items() if isinstance(p, dict)]
-    log("\n" + table + f"\n\nwrote {os.path.join(out, 'glue.json')}, glue.md" + "".join(f", {w}" for w in written))
-    return report
+        try:
+            for i, task in enumerate(tasks):
+                if task.name in missing:
+                    results[task.name] = missing[task.name]
+                    continue
+                results[task.name], task_predictions = glue_task(task, loaded.pop(task.name), args, base, tok, size,
+                                                                 fixed, seeds, device, out, model_dir, log)
+                predictions.update(task_predictions)
+                write_report([t.name for t in tasks[i + 1:] if t.name not in missing])
+        except KeyboardInterrupt:  # main() prints it as one line
+            done = [name for name, r in results.items() if r["status"] == "ok"]
+            raise KeyboardInterrupt(f"glue.json and glue.md in {out} hold {', '.join(done)}" if done else
+                                    "no task was finished, nothing was written") from None
+        report, table = write_report()
+        written = [f"{stem}.tsv" for stem, p in predictions.items() if isinstance(p, dict)]
+        log("\n" + table + f"\n\nwrote {os.path.join(out, 'glue.json')}, glue.md" + "".join(f", {w}" for w in written))
+        return report
 
 
 def build_parser():

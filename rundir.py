@@ -193,13 +193,14 @@ def saved_config(ckpt, path="checkpoint"):
     return TrainConfig(**{k: v for k, v in saved.items() if k in types})
 
 
-def take_lock(out_dir):
+def take_lock(out_dir, name=".lock", what=None):
     """Hold out_dir/.lock while a run writes there: a second run on the same out_dir is refused. It is
     an OS file lock (flock), so the OS releases it when the process dies, however it dies, on this host
     or another one sharing the file system: a killed run never leaves a stale lock. The file holds
-    "pid host" for the error message. Returns the open file: closing it (or exiting) releases the lock."""
+    "pid host" for the error message. Returns the open file: closing it (or exiting) releases the lock.
+    name and what: another writer's lock in out_dir and what its error calls out_dir (eval.py's, locked)."""
     os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, ".lock")
+    path = os.path.join(out_dir, name)
     while True:
         try:
             f = open(path, "a+")
@@ -221,7 +222,7 @@ def take_lock(out_dir):
             except (OSError, ValueError):
                 holder = "another process"
             f.close()
-            raise ValueError(f"--out_dir {out_dir} is in use by {holder} (it holds {path})") from None
+            raise ValueError(f"{what or f'--out_dir {out_dir}'} is in use by {holder} (it holds {path})") from None
         try:  # the holder we waited on may have deleted the file on its way out: lock the one at path
             same = os.path.samestat(os.fstat(f.fileno()), os.stat(path))
         except FileNotFoundError:
@@ -246,6 +247,22 @@ def release_lock(lock):
     except OSError:
         pass
     lock.close()
+
+
+@contextmanager
+def locked(out_dir, name, what):
+    """take_lock for eval.py, whose GLUE results and analyses are sets of files in one directory (a run's, by
+    default) read back and rewritten: a second eval.py into the same directory is refused, rather than
+    overwriting the first one's files or moving them aside under it. A directory made here and left empty
+    is removed."""
+    made = not os.path.isdir(out_dir)
+    lock = take_lock(out_dir, name, what)
+    try:
+        yield
+    finally:
+        release_lock(lock)
+        if made and os.path.isdir(out_dir) and not os.listdir(out_dir):
+            os.rmdir(out_dir)
 
 
 def remove_partial_writes(out_dir):

@@ -682,6 +682,32 @@ def test_an_earlier_analysis_moves_aside_unless_redone(tok, tmp_path, monkeypatc
     assert "analysis.3.json" in names and (out / "analysis_contextual.2.png").stat().st_mtime_ns == before
 
 
+def test_a_second_analysis_into_the_same_out_is_refused_while_the_first_writes_there(tok, tmp_path, monkeypatch):
+    # two --analysis (other seeds) into one --out at once: their plots and analysis.json were written over each
+    # other (the last analysis.json beside the other's plots), or one died on the other's temporary file
+    no_hub(monkeypatch)
+    model = save_model(tiny_bert(tok.get_vocab_size()), tok, tmp_path / "run")
+    text, out = tmp_path / "t.txt", tmp_path / "out"
+    text.write_text("\n".join(make_text(20)))
+    for plot in ("contextual", "self_similarity", "heatmaps", "sentence_similarity", "word_similarity"):
+        monkeypatch.setattr(A, f"plot_{plot}", lambda *args: open(args[-1], "wb").close())  # matplotlib is slow
+    analyse = lambda seed: A.run_analysis(SimpleNamespace(model=[model], out=str(out), text=str(text),
+                                                          num_sentences=20, seed=seed))
+    real_analyze, second = A.analyze_model, []
+
+    def analyze_model(*args):
+        if not second:  # while the first analyses its model, a second one starts
+            with pytest.raises(ValueError) as refused:
+                analyse(1)
+            second.append(str(refused.value))
+        return real_analyze(*args)
+    monkeypatch.setattr(A, "analyze_model", analyze_model)
+    analyse(0)
+    assert f"output directory {out} is in use by process {os.getpid()}" in second[0] and ".analysis.lock" in second[0]
+    assert json.loads((out / "analysis.json").read_text())["seed"] == 0 and not (out / "analysis.1.json").exists()
+    assert not (out / ".analysis.lock").exists()
+
+
 # ----------------------------------------------------------------------------------
 # sentence similarity, word similarity and seeds of analyze_model, against explicit references
 

@@ -893,6 +893,25 @@ def test_a_second_call_extends_glue_json_or_moves_it_aside(tmp_path, tiny_model_
     assert set(json.loads((out / "glue.3.json").read_text())["tasks"]) == {"stsb"}
 
 
+def test_a_second_eval_into_the_same_out_is_refused_while_the_first_writes_there(tmp_path, tiny_model_dir, monkeypatch,
+                                                                                 capsys):
+    # --tasks cola and --tasks mrpc started together into one --out: each found no glue.json, and the last one to
+    # write its own dropped the other's task without a word (the two in turn make one table of both)
+    out, glue, second = tmp_path / "out", str(write_glue(tmp_path / "glue")), []
+    common = ["--model", str(tiny_model_dir), "--glue_dir", glue, "--out", str(out)]
+
+    def finetune(base, task, *args):
+        if not second:  # while the first call fine-tunes cola, a second one starts on mrpc
+            second.append(run_main_error(common + ["--tasks", "mrpc"], capsys))
+        return torch.nn.Linear(1, 1), [dict(scores=dict(mcc=42.0, f1=50.0, acc=60.0), collapsed=False)]
+    monkeypatch.setattr(ev, "finetune", finetune)
+    ev.main(common + ["--tasks", "cola"])
+    assert f"GLUE's output directory {out} is in use by process {os.getpid()}" in second[0], second
+    assert ".glue.lock" in second[0] and not (out / ".glue.lock").exists()
+    ev.main(common + ["--tasks", "mrpc"])  # once the first is done
+    assert set(json.loads((out / "glue.json").read_text())["tasks"]) == {"cola", "mrpc"}
+
+
 def test_an_unwritable_model_directory_is_refused_before_fine_tuning(tmp_path, tiny_model_dir, capsys, monkeypatch):
     # the default --out is the model's directory; read-only (root ignores modes, so a failing write stands in),
     # GLUE used to fine-tune every task and then fail on glue.json
