@@ -622,9 +622,6 @@ def run_analysis(args):
             raise ValueError(tokenizer_problem(model, tok, path))
         if "max_len" in given and args.max_len > model.config.max_position_embeddings:  # as eval.py's GLUE refuses
             raise ValueError(f"--max_len {args.max_len}: exceeds {path}'s {model.config.max_position_embeddings} positions")
-        if still_training(path):
-            print(f"note: {path} is still training (a train.py holds its .lock): this analyses its step "
-                  f"{model.training_step} export, and analysis.json records that step")
         del model  # loaded again at its turn: six base models at once would hold 2.6 GB
     os.makedirs(out, exist_ok=True)  # after the checks: a refused --model leaves no empty --out behind
     documents, text_source = held_out_documents(args.text, models[0])
@@ -651,6 +648,9 @@ def run_analysis(args):
         for label, path in zip(_labels(models), models):
             print(f"analysing {path}")
             model, tok = Bert.from_pretrained(path).to(device).eval(), load_tokenizer(path)
+            if still_training(path):  # said of this load: the export may have moved on since the check above
+                print(f"note: {path} is still training (a train.py holds its .lock): this analyses its step "
+                      f"{model.training_step} export, and analysis.json records that step")
             max_len = min(args.max_len, model.config.max_position_embeddings)  # the default 128 on a shorter model
             result, raws[label] = analyze_model(model, tok, sentences, max_len, device, args.seed, stsb_rows,
                                                 heatmap_sentence)

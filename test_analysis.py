@@ -453,6 +453,19 @@ def test_every_model_is_checked_first_and_its_step_recorded(tok, tmp_path, monke
         results = A.run_analysis(SimpleNamespace(model=[str(good)], out=None, text=str(text)))
     assert results["models"]["run"]["training_step"] == 12  # which export of the run was analysed
     assert f"note: {good} is still training" in capsys.readouterr().out
+    # the run's next export lands after the check of every model, before this one is analysed: the note named the
+    # step checked (12), analysis.json the step analysed (13)
+    real_documents = A.held_out_documents
+
+    def next_export_lands(*args):
+        tiny_bert(tok.get_vocab_size(), seed=1).save_pretrained(str(good), step=13)
+        return real_documents(*args)
+    monkeypatch.setattr(A, "held_out_documents", next_export_lands)
+    with open(good / ".lock", "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        results = A.run_analysis(SimpleNamespace(model=[str(good)], out=str(tmp_path / "out"), text=str(text)))
+    assert results["models"]["run"]["training_step"] == 13
+    assert "its step 13 export" in capsys.readouterr().out
 
 
 def test_stsb_offline_is_one_line_and_the_rest_completes(tok, tmp_path, monkeypatch, capsys):
