@@ -32,7 +32,7 @@ import data
 import distributed
 import token_files
 from config import RankError, TrainConfig, data_path, init_dir, parse_args, pooled, validate
-from hf_io import load_checkpoint_file, load_safetensors, replace_atomic, write_atomic
+from hf_io import load_checkpoint_file, load_safetensors, replace_atomic, still_training, write_atomic
 from model import Bert, BertConfig
 from monitor import Diverged, duration
 
@@ -382,6 +382,9 @@ def start_weights(cfg, master):
     trained with (cfg.tokenizer is set to it). None for a run from scratch or a resume."""
     init_model = Bert.from_pretrained(cfg.init_from)
     weights_dir = init_dir(cfg.init_from)
+    if master and still_training(cfg.init_from):  # its export moves on at each checkpoint: say which one this is
+        print(f"note: {cfg.init_from} is still training (a train.py holds its .lock): this run starts from its step "
+              f"{init_model.training_step} export, not the one it will end with")
     if not cfg.tokenizer:
         if not any(os.path.isfile(os.path.join(weights_dir, f)) for f in ("tokenizer.json", "vocab.txt")):
             raise ValueError(f"--init_from {cfg.init_from}: no tokenizer.json or vocab.txt in {weights_dir}, so "

@@ -766,6 +766,23 @@ def test_init_from_flags_that_cannot_work_are_refused(corpus, cache, tmp_path, c
     assert (tmp_path / "cont" / "vocab.txt").read_text() == (run_dir / "vocab.txt").read_text()
 
 
+@pytest.mark.skipif(os.name == "nt", reason="flock")
+def test_init_from_a_run_still_training_says_which_step_it_starts_from(corpus, cache, tmp_path, capsys):
+    # TaCL or continued MLM started before its --init_from run had finished: nothing said it took the weights of
+    # an intermediate step (eval.py says so of the export it scores)
+    import fcntl
+    run_dir = tmp_path / "run"
+    assert run_main(flags(corpus, cache, run_dir, max_steps=5, ckpt_interval=5), capsys)[0] == 0
+    code, out, err = run_main(flags(corpus, cache, tmp_path / "a", max_steps=2) + ["--init_from", run_dir], capsys)
+    assert code == 0, err
+    assert "still training" not in out
+    with open(run_dir / ".lock", "a+") as held:  # the run's train.py, at step 5 of more
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        code, out, err = run_main(flags(corpus, cache, tmp_path / "b", max_steps=2) + ["--init_from", run_dir], capsys)
+    assert code == 0, err
+    assert f"note: {run_dir} is still training" in out and "starts from its step 5 export" in out
+
+
 def test_a_checkpoint_config_of_the_wrong_type_is_one_error_line(corpus, cache, tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert run_main(flags(corpus, cache, run_dir, max_steps=5, ckpt_interval=5), capsys)[0] == 0
