@@ -623,7 +623,6 @@ def run_analysis(args):
         if "max_len" in given and args.max_len > model.config.max_position_embeddings:  # as eval.py's GLUE refuses
             raise ValueError(f"--max_len {args.max_len}: exceeds {path}'s {model.config.max_position_embeddings} positions")
         del model  # loaded again at its turn: six base models at once would hold 2.6 GB
-    os.makedirs(out, exist_ok=True)  # after the checks: a refused --model leaves no empty --out behind
     documents, text_source = held_out_documents(args.text, models[0])
     sentences = load_sentences(documents, args.num_sentences, args.seed)
     if len(sentences) < 2:
