@@ -421,8 +421,9 @@ def run_tokenizer(cfg, ckpt):
         except (ValueError, OSError):
             tok = None  # unreadable: data.load_tokenizer's error line says so
         if tok and not token_files.vocab_matches(tok, cfg.out_dir):
-            raise ValueError(f"--resume {cfg.out_dir}: its vocab.txt disagrees with its tokenizer.json (edited or "
-                             f"replaced); put back the run's vocab.txt (the cache's tokenizer-* directory has a copy)")
+            raise ValueError(f"--resume {cfg.out_dir}: its vocab.txt disagrees with its tokenizer.json (one of "
+                             f"them edited, replaced or damaged); put back the run's copies (the cache's tokenizer-* "
+                             f"directory has both)")
     return cfg.out_dir
 
 

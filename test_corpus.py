@@ -404,6 +404,24 @@ def test_corrupt_cached_tokenizer_is_retrained(tmp_path, capsys):
         assert tok2.get_vocab() == tok.get_vocab() and np.array_equal(train2, train), name  # deterministic
 
 
+def test_a_cached_tokenizer_with_a_damaged_id_is_retrained(tmp_path, capsys):
+    # one digit of the last token's id damaged in tokenizer.json: vocab.txt, in id order, read the same, so the
+    # tokenizer was used (an id past its embedding rows), the corpus tokenized with it and cached, then
+    # train.py's save_tokenizer failed on every run with an AssertionError
+    path = tmp_path / "a.txt"
+    path.write_text(_wikiextractor_text())
+    tok, train, _ = data.prepare_data(str(path), tmp_path / "cache", vocab_size=200)
+    tok_json = next((tmp_path / "cache").glob("tokenizer-*")) / "tokenizer.json"
+    last = tok.get_vocab_size() - 1
+    assert str(last)[0] != "9" and tok_json.read_text().count(f'": {last}\n') == 1
+    tok_json.write_text(tok_json.read_text().replace(f'": {last}\n', f'": {last + 10 ** (len(str(last)) - 1)}\n'))
+    capsys.readouterr()
+    tok2, train2, _ = data.prepare_data(str(path), tmp_path / "cache", vocab_size=200)
+    assert "vocab.txt disagrees with tokenizer.json): training it again" in capsys.readouterr().out
+    assert tok2.get_vocab() == tok.get_vocab() and np.array_equal(train2, train)
+    assert len(list((tmp_path / "cache").glob("tokens-*.bin"))) == 1  # none made with the damaged one
+
+
 @pytest.mark.parametrize("content", [b"plain text, not xz\n", lzma.compress(b"a sentence\n" * 100)[:-20]])
 def test_read_text_of_a_broken_xz_is_one_clear_error(tmp_path, content):
     # eval.py --analysis --text and the GLUE reader go through read_text, not the corpus loader

@@ -289,13 +289,15 @@ def cache_ok(path):
     return False
 
 def vocab_matches(tok, dir):
-    """Whether dir's vocab.txt (what transformers' BertTokenizer reads) lists tok's vocabulary in id order
-    (False when it cannot be read)."""
+    """Whether dir's vocab.txt (what transformers' BertTokenizer reads) lists tok's vocabulary, line i the token
+    of id i (False when it cannot be read, or when tok's ids are not 0..V-1: a digit damaged in tokenizer.json
+    gives two tokens one id, or an id past the end, and vocab.txt, in id order, still looked the same)."""
     vocab = tok.get_vocab()
     try:
-        return Path(dir, "vocab.txt").read_text(encoding="utf-8").splitlines() == sorted(vocab, key=vocab.get)
+        words = Path(dir, "vocab.txt").read_text(encoding="utf-8").splitlines()
     except (ValueError, OSError):  # not UTF-8, a directory, unreadable
         return False
+    return len(words) == len(vocab) and all(vocab.get(w) == i for i, w in enumerate(words))
 
 def cached_tokenizer(dir):
     """The tokenizer cached in dir, or None when it is missing or one of its files is unreadable (dir is
