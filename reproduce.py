@@ -391,6 +391,13 @@ def pretrain(args, scale, name, objective, steps, extra, start=None):
     if os.path.isfile(os.path.join(run_dir, "ckpt.pt")):
         cmd = [*train, "--resume", run_dir, "--max_steps", str(steps)]  # a killed run goes on
     else:
+        # train.py saves ckpt.pt before its export: an unfinished run with an export, or with a ckpt.pt that is no
+        # file, lost its checkpoint (deleted, damaged), and deleting the folder would take its export and log along
+        saved = [f for f in ("ckpt.pt", "config.json", "model.safetensors")
+                 if os.path.lexists(os.path.join(run_dir, f))]
+        if saved:
+            sys.exit(f"error: {run_dir} holds {', '.join(saved)} of an unfinished run but no ckpt.pt file to resume "
+                     f"(deleted or damaged): put the run's ckpt.pt back, or delete {run_dir} to train it again")
         if os.path.isdir(run_dir) and not args.dry_run:  # killed before its first ckpt.pt: nothing to resume
             shutil.rmtree(run_dir)
         # 10% warm-up, then linear decay to 0 (continuations too: `steps` is theirs)

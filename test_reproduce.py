@@ -230,14 +230,18 @@ def test_a_finished_run_without_its_checkpoint_is_kept(tmp_path):
                           cwd=HERE, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "[mlm] pretrained already" in proc.stdout, proc.stderr
     assert (out / "mlm" / "glue.json").exists()
-    # killed after its last evaluation, before its last save: never saved, so it starts again
+    # an unfinished export without ckpt.pt (saved before it) lost its checkpoint: refused; with no export, it
+    # never saved, so it starts again
     for export in ({"training_step": 10}, None):
         (out / "mlm" / "config.json").unlink(missing_ok=True)
         if export:
             (out / "mlm" / "config.json").write_text(json.dumps(export))
         proc = subprocess.run([sys.executable, "reproduce.py", "--out_dir", str(out), "--only", "pretrain,mlm",
                                "--dry_run"], cwd=HERE, capture_output=True, text=True, timeout=60)
-        assert proc.returncode == 0 and "train.py --objective mlm" in proc.stdout, proc.stderr
+        if export:
+            assert proc.returncode == 1 and "no ckpt.pt file to resume" in proc.stderr, proc.stderr
+        else:
+            assert proc.returncode == 0 and "train.py --objective mlm" in proc.stdout, proc.stderr
 
 
 def test_a_run_is_finished_when_its_export_holds_the_last_step(tmp_path):
@@ -896,17 +900,34 @@ def test_glue_scored_with_other_seeds_or_on_another_export_is_not_done(tmp_path)
 
 
 def test_a_run_killed_before_its_first_checkpoint_starts_over_in_an_empty_folder(tmp_path):
-    # nothing to resume: what it left (its log, an export train.py would refuse to overwrite) goes, or the new
-    # run's log would carry the old one's records
+    # nothing to resume: what it left (its log, its tokenizer) goes, or the new run's log would carry the old
+    # one's records
     out = repro_dir(tmp_path)
     run = out / "mlm"
     run.mkdir()
     (run / "log.jsonl").write_text(json.dumps({"config": {"objective": "mlm"}}) + "\n" +
                                    json.dumps({"step": 5, "loss": 9.0, "elapsed_s": 1.0}) + "\n")
-    (run / "config.json").write_text(json.dumps({"training_step": 5}))
+    (run / "tokenizer.json").write_text("{}")
     proc, calls = fake_reproduce(tmp_path, "--objectives", "mlm", "--only", "pretrain")
     assert proc.returncode == 0 and "--resume" not in calls[0], proc.stderr
     assert len((run / "log.jsonl").read_text().splitlines()) == 2  # the new run's header and step only
+
+
+def test_an_unfinished_run_that_lost_its_checkpoint_is_refused_not_deleted(tmp_path):
+    # train.py saves ckpt.pt before its export, so an export without a ckpt.pt file is a checkpoint deleted or
+    # damaged (here, made a directory), not a run killed before its first save: its folder, export, log and
+    # GLUE results with it, used to be deleted and the run trained again from step 0
+    out = repro_dir(tmp_path)
+    run = make_run(out, "mlm", 10)  # of SETTINGS' 20 steps
+    (run / "glue.json").write_text("{}")
+    for damage in ("deleted", "a directory"):
+        (run / "ckpt.pt").unlink() if damage == "deleted" else (run / "ckpt.pt").mkdir()
+        kept = sorted(p.name for p in run.iterdir())
+        proc, calls = fake_reproduce(tmp_path, "--objectives", "mlm", "--only", "pretrain")
+        err = proc.stderr.strip()
+        assert proc.returncode == 1 and not calls and err.startswith("error: ") and "\n" not in err, (damage, err)
+        assert f"{run} holds " in err and "no ckpt.pt file to resume" in err, err
+        assert sorted(p.name for p in run.iterdir()) == kept, damage
 
 
 def test_glue_jobs_is_the_most_calls_running_at_once(tmp_path):
