@@ -508,8 +508,14 @@ def earlier_results(out, settings, tasks, log):
             old = json.load(f)
     except (OSError, ValueError):
         old = None
+    kept = None
     if isinstance(old, dict) and old.get("settings") == settings and isinstance(old.get("tasks"), dict):
         kept = {t: r for t, r in old["tasks"].items() if t not in tasks and isinstance(r, dict) and r.get("status") == "ok"}
+        try:  # the table must show them (a key renamed or a value of another type broke it after the next task)
+            glue_table(dict(tasks=kept, runs_per_task=2, args={}, runs_label="", name="", protocol=""))
+        except (KeyError, TypeError, AttributeError, ValueError, IndexError):
+            kept = old = None  # an edited or damaged file: it moves aside, as below
+    if kept is not None:
         if kept:
             log(f"note: {path} holds {', '.join(kept)} from the same export and settings: kept in the table")
         predicted = old.get("predictions") if isinstance(old.get("predictions"), dict) else {}
@@ -524,8 +530,8 @@ def earlier_results(out, settings, tasks, log):
     for name, aside in moves(k):
         if os.path.exists(os.path.join(out, name)):
             os.replace(os.path.join(out, name), os.path.join(out, aside))
-    log(f"note: {path} was made from another export or with other settings: moved to glue.{k}.json"
-        f" (with its leaderboard files and models, if any)")
+    why = "was made from another export or with other settings" if isinstance(old, dict) else "is unreadable or damaged"
+    log(f"note: {path} {why}: moved to glue.{k}.json (with its leaderboard files and models, if any)")
     return {}, {}
 
 

@@ -1,5 +1,6 @@
 """eval.py: GLUE metrics against naive references, the TSV readers on the real GLUE files, batching,
 and end-to-end fine-tuning of a tiny model on tiny TSVs (CPU, seconds)."""
+import copy
 import json
 from dataclasses import asdict
 import math
@@ -910,6 +911,29 @@ def test_a_second_eval_into_the_same_out_is_refused_while_the_first_writes_there
     assert ".glue.lock" in second[0] and not (out / ".glue.lock").exists()
     ev.main(common + ["--tasks", "mrpc"])  # once the first is done
     assert set(json.loads((out / "glue.json").read_text())["tasks"]) == {"cola", "mrpc"}
+
+
+def test_a_damaged_glue_json_moves_aside_and_the_next_task_is_kept(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    # an entry of the earlier glue.json (same export and settings) that the table cannot show, a key renamed or a
+    # value of another type (an edited or damaged file), was kept in the table: glue.json's rewrite then failed
+    # with a traceback once the next task was fine-tuned, and that task's scores were lost
+    monkeypatch.setattr(ev, "finetune", lambda base, task, *args: (torch.nn.Linear(1, 1), [
+        dict(scores={"cola": dict(mcc=42.0), "stsb": dict(pearson=50.0, spearman=40.0)}[task.name], collapsed=False)]))
+    out, glue = tmp_path / "out", str(write_glue(tmp_path / "glue"))
+    common = ["--model", str(tiny_model_dir), "--glue_dir", glue, "--out", str(out)]
+    ev.main(common + ["--tasks", "cola"])
+    saved = json.loads((out / "glue.json").read_text())
+    damages = [lambda t: t.update(rnus=t.pop("runs")), lambda t: t.update(mean=[42.0]),
+               lambda t: t["median"].update(mcc="42.0")]
+    for k, damage in enumerate(damages, 1):
+        broken = copy.deepcopy(saved)
+        damage(broken["tasks"]["cola"])
+        (out / "glue.json").write_text(json.dumps(broken))
+        capsys.readouterr()
+        ev.main(common + ["--tasks", "stsb"])
+        assert set(json.loads((out / "glue.json").read_text())["tasks"]) == {"stsb"}, k
+        assert f"is unreadable or damaged: moved to glue.{k}.json" in capsys.readouterr().out, k
+        assert json.loads((out / f"glue.{k}.json").read_text()) == broken, k
 
 
 def test_an_unwritable_model_directory_is_refused_before_fine_tuning(tmp_path, tiny_model_dir, capsys, monkeypatch):
