@@ -115,7 +115,7 @@ OWN_AUC = {"cocolm": "val_copy_auc", "electra": "val_disc_auc"}
 
 
 # ---------------------------------------------------------------------------------------------
-# reading what the runs wrote (defensively: a missing key is a missing cell, never a crash)
+# reading what the runs wrote (defensively: a missing key or a value of another type is a missing cell, never a crash)
 
 
 def read_log(path):
@@ -132,10 +132,11 @@ def read_log(path):
                 continue  # a line cut short by a kill
             if not isinstance(rec, dict):
                 continue  # not a record of ours (an edited or corrupt log)
-            if "config" in rec:
+            if isinstance(rec.get("config"), dict):
                 header = rec
-            elif "step" in rec:
-                (train if "loss" in rec else evals)[rec["step"]] = rec
+            elif type(rec.get("step")) is int:  # train.py logs numbers: a value of another type is a missing cell
+                numbers = {k: v for k, v in rec.items() if type(v) in (int, float)}
+                (train if "loss" in rec else evals)[rec["step"]] = numbers
     return header, [train[s] for s in sorted(train)], [evals[s] for s in sorted(evals)]
 
 
@@ -550,9 +551,9 @@ def pm(m, s, digits=1):
 def glue_summary(run_dir, recipe, asked, step):
     """One recipe's GLUE of a run for results.md: per task (of those asked) the primary metric per seed, its mean
     and spread, and the average per seed; a task scored on another export than `step` is stale."""
-    report = read_json(os.path.join(run_dir, glue_files(recipe)[0])) or {}
-    tasks = {}
-    for task, t in (report.get("tasks") or {}).items():
+    scored = (read_json(os.path.join(run_dir, glue_files(recipe)[0])) or {}).get("tasks")
+    scored, tasks = scored if isinstance(scored, dict) else {}, {}
+    for task, t in scored.items():
         if task not in asked or not isinstance(t, dict):  # the Avg is over the tasks asked for
             continue
         if t.get("status") != "ok":
@@ -564,12 +565,14 @@ def glue_summary(run_dir, recipe, asked, step):
             continue
         per_seed, collapsed = {}, 0
         for label, run in (t.get("runs") if isinstance(t.get("runs"), dict) else {}).items():
-            seed = str(run.get("seed", label))  # {label: {seed, scores, collapsed}}
-            per_seed[label if seed in per_seed else seed] = run.get("scores") or {}
+            if not isinstance(run, dict):  # an edited or corrupt entry: a missing cell
+                continue
+            seed, scores = str(run.get("seed", label)), run.get("scores")  # {label: {seed, scores, collapsed}}
+            per_seed[label if seed in per_seed else seed] = scores if isinstance(scores, dict) else {}
             collapsed += bool(run.get("collapsed"))  # fine-tuning predicted one class only
         key = PRIMARY.get(task) if all(PRIMARY.get(task) in v for v in per_seed.values()) else \
             next(iter(next(iter(per_seed.values()), {})), None)
-        values = {s: v.get(key) for s, v in per_seed.items()}
+        values = {s: v[key] if type(v.get(key)) in (int, float) else None for s, v in per_seed.items()}
         m, s = mean_std(list(values.values()))
         tasks[task] = dict(status="ok", metric=key, per_seed=values, mean=m, std=s, collapsed=collapsed,
                            all_metrics=per_seed)
@@ -580,8 +583,8 @@ def glue_summary(run_dir, recipe, asked, step):
     m, s = mean_std(per_seed_avg)
     return dict(tasks=tasks, avg=m, avg_std=s, avg_per_seed=per_seed_avg,
                 avg_over=[t for t in asked if tasks.get(t, {}).get("status") == "ok"],
-                finetune_s=sum(t.get("time_s") or 0 for t in (report.get("tasks") or {}).values()
-                               if isinstance(t, dict)))
+                finetune_s=sum(t["time_s"] for t in scored.values() if isinstance(t, dict) and type(t.get("time_s")) in
+                               (int, float)))
 
 
 def collect(args, runs):
@@ -620,19 +623,17 @@ def collect(args, runs):
         # representation statistics from analysis.json (keys read with .get: the format may grow)
         stamped = analysis.get("exports") if isinstance(analysis.get("exports"), dict) else {}
         made_from = export_id(run_dir)
-        a = (analysis.get("models") or {}).get(name) if made_from is not None and stamped.get(name) == made_from \
-            else None
-        a = a if isinstance(a, dict) else {}
-        ctx = a.get("contextual") or {}
+        part = lambda d, key: d.get(key) if isinstance(d.get(key), dict) else {}  # another type: missing cells
+        a = part(part(analysis, "models"), name) if made_from is not None and stamped.get(name) == made_from else {}
+        ctx, sent, wordsim = part(a, "contextual"), part(a, "sentence_similarity"), part(a, "wordsim353")
         sims = a.get("self_similarity_per_layer")
-        sent = a.get("sentence_similarity") or {}
         r["analysis"] = dict(intra=ctx.get("intra"), inter=ctx.get("inter"), contextual=ctx.get("contextual"),
                              l1_ratio=ctx.get("l1_ratio"), l2_ratio=ctx.get("l2_ratio"),
-                             cos_ratio=ctx.get("cos_ratio"), wordsim_cooc=(a.get("wordsim353") or {}).get("cooc_cos"),
+                             cos_ratio=ctx.get("cos_ratio"), wordsim_cooc=wordsim.get("cooc_cos"),
                              isotropy=a.get("isotropy_random_pair_cos"),
                              self_similarity_last=sims[-1] if isinstance(sims, list) and sims else None,
-                             wordsim353_spearman=(a.get("wordsim353") or {}).get("spearman"),
-                             simlex999_spearman=(a.get("simlex999") or {}).get("spearman"),
+                             wordsim353_spearman=wordsim.get("spearman"),
+                             simlex999_spearman=part(a, "simlex999").get("spearman"),
                              cls_gap=sent.get("cls_gap"), mean_gap=sent.get("mean_gap"))
         results["runs"][name] = r
     mlm = results["runs"].get("mlm", {})

@@ -334,6 +334,37 @@ def test_corrupt_outputs_are_missing_cells_not_crashes(tmp_path):
     assert json.loads((run / "reproduce_time.json").read_text()) == {"glue": 2.0}
 
 
+def test_values_of_another_type_are_missing_cells_not_crashes(tmp_path):
+    # valid JSON holding a value of another type (an edited or damaged file: a step as text, a start line whose
+    # config is a list, a GLUE run or an analysis part that is no object, a score or a time that is text) stopped
+    # the report with a TypeError or AttributeError
+    run = tmp_path / "mlm"
+    run.mkdir()
+    (run / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
+        {"config": {"objective": "mlm"}}, {"config": [1]}, {"step": 5, "val_mlm_loss": 7.0},
+        {"step": "6", "val_mlm_loss": 1.0}, {"step": None, "val_mlm_loss": 1.0}, {"step": [7], "loss": 1.0},
+        {"step": 5, "loss": "x", "tokens_per_s": [1], "elapsed_s": 2.0}, {"step": 6, "val_mlm_loss": "x"}]))
+    (run / "config.json").write_text(json.dumps({"training_step": 20}))
+    runs = {"a": 5, "b": {"seed": 3, "scores": {"mcc": "x"}}, "c": {"seed": 4, "scores": {"mcc": 30.0}}}
+    (run / "glue.json").write_text(json.dumps({"tasks": {"cola": dict(status="ok", training_step=20, runs=runs,
+                                                                      time_s="x")}}))
+    (run / "glue_short.json").write_text(json.dumps({"tasks": [1]}))
+    (tmp_path / "analysis").mkdir()
+    analysed = {"contextual": "x", "wordsim353": [1], "isotropy_random_pair_cos": 0.5}
+    (tmp_path / "analysis" / "analysis.json").write_text(json.dumps({"exports": {"mlm": "-@20"}, "models": {"mlm": analysed}}))
+    args = reproduce.argparse.Namespace(scale="toy", data="", seed=1, tasks="cola", seeds="3,4", out_dir=str(tmp_path),
+                                        steps=20, extra_steps=10, recipes="paper,short")
+    results = reproduce.collect(args, ["mlm"])
+    r = results["runs"]["mlm"]
+    assert r["objective"] == "mlm" and r["steps"] == 6 and r["train_wall_s"] == 2.0 and r["tokens_per_s"] is None
+    assert r["final"] == {} and r["curves"] == [{"step": 5, "val_mlm_loss": 7.0}, {"step": 6}]
+    cola = r["glue"]["tasks"]["cola"]
+    assert cola["per_seed"] == {"3": None, "4": 30.0} and cola["mean"] == 30.0 and r["glue"]["finetune_s"] == 0
+    assert r["glue_by_recipe"]["short"]["tasks"] == {}
+    assert r["analysis"]["isotropy"] == 0.5 and r["analysis"]["contextual"] is None
+    assert "| mlm |" in reproduce.markdown(results, [])
+
+
 @pytest.mark.parametrize("scale", list(reproduce.SCALES))
 @pytest.mark.parametrize("objective", ["mlm", "taco", "cocolm", "electra", "tacl"])
 def test_scale_flags_are_a_valid_run(scale, objective, tmp_path):
