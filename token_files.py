@@ -22,7 +22,8 @@ What it guarantees:
 - an empty, truncated or otherwise unreadable tokenizer file or config, or a name the hub does not know, is
   one ValueError naming it;
 - a token file is reused only when it has the size and checksum its sidecar records, and the sidecar is
-  written last: a truncated, corrupted or half-written cache is rebuilt (and says so), never trained on;
+  written last: a truncated or half-written cache is rebuilt (and says so), never trained on, and so is a
+  corrupted one where the checksum reads (all of a file up to 64 MiB, sampled chunks of a larger one);
   a cached tokenizer with an unreadable or inconsistent file is trained again;
 - every file appears whole (a temporary file, on disk, then os.replace): a kill or a power cut never
   leaves a partial file under its real name, and what killed writers left is removed by the next run that
