@@ -150,9 +150,10 @@ def resume_config(cfg, given):
     other = [k for k in ("objective", "model_size", "seed", "vocab_size", "seq_len")
              if k in started and started[k] != getattr(saved, k)]
     if other:
-        raise ValueError(f"--resume {path}: not this run's checkpoint ({', '.join(f'{k} {getattr(saved, k)!r}' for k in other)}"
+        raise ValueError(f"--resume {path}: its checkpoint has {', '.join(f'{k} {getattr(saved, k)!r}' for k in other)}"
                          f", but {os.path.join(run_dir, 'log.jsonl')} last started with "
-                         f"{', '.join(f'{k} {started[k]!r}' for k in other)}): a ckpt.pt from another run")
+                         f"{', '.join(f'{k} {started[k]!r}' for k in other)}: a ckpt.pt from another run, or an edited "
+                         f"log.jsonl (keep both until you know which)")
     if given.get("max_steps", saved.max_steps) < ckpt["step"]:
         raise ValueError(f"--max_steps {given.get('max_steps', saved.max_steps)}: the run in {run_dir} is already at "
                          f"step {ckpt['step']}; to train on, pass a larger --max_steps")

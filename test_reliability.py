@@ -479,7 +479,7 @@ def test_a_ckpt_pt_copied_in_from_another_run_is_refused(corpus, cache, tmp_path
     shutil.copy(other / "ckpt.pt", run / "ckpt.pt")
     code, _, err = run_main(["--resume", run], capsys)
     assert code == 2
-    one_error(err, "not this run's checkpoint (objective 'taco'", "last started with objective 'mlm'")
+    one_error(err, "its checkpoint has objective 'taco'", "last started with objective 'mlm'", "or an edited log.jsonl")
     assert (run / "model.safetensors").read_bytes() == export  # the export is untouched
 
 
