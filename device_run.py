@@ -729,8 +729,12 @@ def merge(args):
             print(f"{archive} -> {os.path.join(into, extract(archive, into))}")
         except (ValueError, OSError, EOFError, tarfile.TarError) as e:  # a damaged member, a full disk
             sys.exit(f"error: {archive}: cannot merge into {into} ({first_line(e)})")
-    records = {c: reproduce.read_json(os.path.join(into, c, "chunk.json")) for c in CHUNKS}
-    records = {c: r for c, r in records.items() if r}
+    records = {c: reproduce.read_json(os.path.join(into, c, "chunk.json")) for c in CHUNKS
+               if os.path.lexists(os.path.join(into, c))}
+    damaged = [c for c, r in records.items() if r is None]  # every archive carries its chunk.json
+    if damaged:
+        sys.exit(f"error: {os.path.join(into, damaged[0], 'chunk.json')}: missing or damaged; merge {damaged[0]}.tar.gz "
+                 f"again")
     if not records:
         sys.exit(f"error: no chunk in {into}: pass the archives (CHUNK.tar.gz) the device runs brought back")
     results = {c: chunk_results(os.path.join(into, c), c) for c in records if c != "speed"}

@@ -358,6 +358,11 @@ def test_bad_archives_and_folders_are_one_error_line_and_merge_nothing(tmp_path,
         message = str(stop.value.code)
         assert message.startswith("error: ") and needle in message and "\n" not in message, (argv, message)
     assert not into.exists()  # nothing was merged, not even an empty folder
+    (into / "mlm-taco").mkdir(parents=True)  # a merged chunk whose chunk.json was damaged since: named, not "no chunk"
+    (into / "mlm-taco" / "chunk.json").write_text('{"chunk": "mlm-ta')
+    with pytest.raises(SystemExit) as stop:
+        device_run.main(["merge", "--into", str(into)])
+    assert str(stop.value.code) == f"error: {into / 'mlm-taco' / 'chunk.json'}: missing or damaged; merge mlm-taco.tar.gz again"
 
 
 def test_a_flag_before_the_command_is_named(capsys):
