@@ -10,7 +10,8 @@ It guarantees (test_reliability.py and test_train.py hold it to each):
 - a resume reads its own tokenizer and refuses other data (a fingerprint of the token streams), as a run
   refuses ranks that read other tokens than rank 0 (a node's own copy of --data or --cache_dir) or run
   other code (a node's own checkout, edited; another torch);
-- every segment of a run records the code that ran (git commit, code.diff of local changes), torch, host;
+- every segment of a run records the code that ran (git commit, code.diff of local changes, each module's
+  hash), torch, host; a resume names the modules that changed since the run last started;
 - bad input is one `error:` line and exit 2 (under torchrun from rank 0, plus one `error (rank N):` line from
   each other node's first process and from a rank that alone meets it), nothing saved is touched.
 """
@@ -163,8 +164,9 @@ def resume_config(cfg, given):
     return replace(saved, **{**{k: v for k, v in given.items() if k != "preset"}, "out_dir": run_dir}), ckpt
 
 
-def last_start_config(run_dir):
-    """The config of log.jsonl's last start or resume line (the run's latest start), or {} when none is readable."""
+def last_start_config(run_dir, key="config"):
+    """The config (or another part: provenance) of log.jsonl's last start or resume line (the run's latest
+    start), or {} when none is readable."""
     config = {}
     try:
         with open(os.path.join(run_dir, "log.jsonl"), encoding="utf-8") as f:
@@ -174,7 +176,7 @@ def last_start_config(run_dir):
                         record = json.loads(line)
                     except ValueError:
                         continue
-                    config = record["config"] if isinstance(record.get("config"), dict) else config
+                    config = record[key] if isinstance(record.get(key), dict) else config
     except (OSError, UnicodeDecodeError):
         return {}
     return config
@@ -360,7 +362,7 @@ def provenance(out_dir=None, diff_name="code.diff"):
     if diff and out_dir:
         write_atomic(os.path.join(out_dir, diff_name), diff)
     return dict(git_commit=commit, dirty=bool(diff), diff_sha1=hashlib.sha1(diff.encode()).hexdigest() if diff else None,
-                torch=torch.__version__, host=socket.gethostname())
+                torch=torch.__version__, host=socket.gethostname(), modules=code_fingerprint())
 
 
 def export_step(out_dir):
@@ -456,7 +458,7 @@ class Run:
                              f"tokenizer files in {cfg.out_dir} were (they make the tokens)")
         same_on_every_rank(cfg, layout, fingerprint)
         self.cfg, self.layout, self.ckpt, self.fingerprint = cfg, layout, ckpt, fingerprint
-        self.saved_step, self.log_file, self.diff_name = 0, None, "code.diff"
+        self.saved_step, self.log_file, self.diff_name, self.code_changed = 0, None, "code.diff", []
 
     def attach(self, model, model_config, objective, optimizer, train_loader, scaler):
         self.model, self.model_config, self.objective = model, model_config, objective
@@ -505,6 +507,9 @@ class Run:
         # the code that ran, for each segment of the run: a resume's local changes go to code-step{N}.diff
         self.diff_name = f"code-step{step}.diff" if ckpt else "code.diff"
         start = {"config": asdict(cfg), "provenance": provenance(cfg.out_dir, self.diff_name)}
+        before, now = last_start_config(cfg.out_dir, "provenance").get("modules"), start["provenance"]["modules"]
+        if ckpt and isinstance(before, dict):  # an edit between two segments: one run, two codes (said on resume)
+            self.code_changed = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
         start.update({"resumed_from_step": step} if ckpt else {"model_config": asdict(self.model_config)})
         self.log(start)
 
@@ -520,6 +525,10 @@ class Run:
         if changed:  # said even when the lr at this step is the same (in warm-up): the decay moved
             print(f"the learning-rate schedule moved ({changed}): lr at step {step} was {lr_at(step, old):.2e}, "
                   f"now {lr_at(step, cfg):.2e} (warm-up {cfg.warmup_steps}, linear decay to 0 at {cfg.max_steps})")
+        if self.code_changed:
+            print(f"note: {', '.join(self.code_changed)} changed since this run last started: the steps after {step} "
+                  f"run the new code, those before it the old (log.jsonl's start lines record each); to compare an "
+                  f"edit with the code before it, start a new run")
         if pooled(cfg.objective) and not cfg.negative_pool and old.batch_size != cfg.batch_size:
             print(f"note: the negative pool is the per-process micro-batch, now {cfg.batch_size} sequences (was "
                   f"{old.batch_size}: another layout or --batch_size); --negative_pool N fixes a pool's size")

@@ -950,6 +950,21 @@ def test_provenance_records_commit_and_diff(corpus, cache, tmp_path, capsys, mon
     assert prov["git_commit"] is None and prov["dirty"] is False and prov["diff_sha1"] is None
 
 
+def test_a_resume_after_an_edit_names_the_changed_modules(corpus, cache, tmp_path, capsys, monkeypatch):
+    # an ablation edits losses.py, then resumes a run made before the edit: one run, two codes, said
+    code, _, err = run_main(flags(corpus, cache, tmp_path / "run", max_steps=5, ckpt_interval=5), capsys)
+    assert code == 0, err
+    header, _ = read_log(tmp_path / "run")
+    assert header["provenance"]["modules"] == rundir.code_fingerprint()
+    code, out, err = run_main(["--resume", tmp_path / "run", "--max_steps", "6"], capsys)  # the same code: no note
+    assert code == 0 and "changed since this run last started" not in out, err
+    real = rundir.code_fingerprint
+    monkeypatch.setattr(rundir, "code_fingerprint", lambda: {**real(), "losses.py": "0123456789ab"})
+    code, out, err = run_main(["--resume", tmp_path / "run", "--max_steps", "7"], capsys)
+    assert code == 0, err
+    assert "note: losses.py changed since this run last started: the steps after 6 run the new code" in out, out
+
+
 def test_resume_applies_the_new_optimizer_flags_dropout_and_dtype(corpus, cache, tmp_path, capsys):
     # the saved param groups and model config must not silently override what the flags say now;
     # an fp32 checkpoint (empty GradScaler state) resumes under fp16 without a traceback
