@@ -151,6 +151,8 @@ def print_help(spec, argv, usage):
         if name == "--preset":
             preset = value if eq else argv[i + 1] if i + 1 < len(argv) else ""
     values, sources = {**PRESETS.get(preset, {}), "preset": preset}, PRESET_SOURCES.get(preset, {})
+    from losses import LOSSES  # every objective there, an ablation's new one too (the field's comment lists the five)
+    spec = {**spec, "objective": (*spec["objective"][:2], " | ".join(LOSSES) + " (losses.LOSSES)")}
     print(usage or __doc__)
     print(f"flags, with the values of --preset {preset} (choices: {', '.join(PRESETS)}):")
     for name, (typ, default, comment) in spec.items():

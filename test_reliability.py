@@ -182,6 +182,13 @@ def test_help_shows_the_chosen_preset(capsys):
     assert code == 0 and "'small'" in row, row
 
 
+def test_help_lists_an_objective_added_to_losses(capsys, monkeypatch):
+    monkeypatch.setitem(losses.LOSSES, "taco2", losses.TACO)  # an ablation's copy, registered in LOSSES
+    code, out, _ = run_main(["--help"], capsys)
+    row = next(line for line in out.splitlines() if line.strip().startswith("--objective "))
+    assert code == 0 and "mlm | taco | tacl | cocolm | electra | taco2" in row, row
+
+
 # ---- 2. divergence: stop before a NaN is saved
 
 class NaNAfter(losses.MLM):
