@@ -66,7 +66,9 @@ def scale_flags_hint(cfg):
     """Where a run diverged with one of SCALE_FLAGS moved off its preset, the line names it too."""
     from config import PRESETS  # here: config is the flags' module, and this one serves train.py's loop
     default = type(cfg)(**PRESETS.get(cfg.preset, {}))
-    used = lambda k: k.split("_")[0] not in ("taco", "tacl", "cocolm", "electra") or k.startswith(cfg.objective + "_")
+    owners = ("taco", "tacl", "cocolm", "electra")  # taco_* acts on TACO alone, and so on
+    known = cfg.objective in ("mlm", *owners)  # one added to losses.LOSSES may read any (a copy of TACO): all named
+    used = lambda k: not known or k.split("_")[0] not in owners or k.startswith(cfg.objective + "_")
     moved = [f"--{k} {getattr(cfg, k):g}" for k in SCALE_FLAGS if used(k) and getattr(cfg, k) != getattr(default, k)]
     return f"; or undo {', '.join(moved)} (off the preset's value)" if moved else ""
 

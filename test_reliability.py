@@ -245,6 +245,13 @@ def test_a_divergence_names_the_loss_scaling_flags_that_moved(corpus, cache, tmp
     assert monitor.scale_flags_hint(cfg) == "; or undo --weight_decay 1e+30 (off the preset's value)"
 
 
+def test_a_divergence_of_an_added_objective_names_every_flag_that_moved():
+    import monitor  # a copy of TACO registered as taco2 reads taco_*: which flags it reads is unknown, so all
+    cfg = config.TrainConfig(objective="taco2", taco_temperature=1e-30, cocolm_copy_weight=1e30)
+    assert monitor.scale_flags_hint(cfg) == ("; or undo --taco_temperature 1e-30, --cocolm_copy_weight 1e+30 (off the "
+                                             "preset's value)")
+
+
 class InfGrad(torch.autograd.Function):
     """Identity forward (a finite loss), infinite gradient backward: what an fp16 overflow looks like."""
     @staticmethod
