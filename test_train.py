@@ -466,11 +466,20 @@ def test_bad_input_is_one_clear_error(corpus, tmp_path):
 
 # ---- distributed: two gloo processes == one process with the same global batch
 
+@pytest.fixture(scope="module")
+def ddp_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("ddp_cache")  # one tokenizer and token file for the DDP cases
+
+
 @pytest.mark.slow
-def test_ddp_two_processes_match_one_process(corpus, tmp_path):
-    # with dropout: its masks are seeded per (step, global micro-batch), so DDP draws what one process draws
+@pytest.mark.parametrize("objective", ["taco", "cocolm"])
+def test_ddp_two_processes_match_one_process(corpus, tmp_path, ddp_cache, objective):
+    # TACO runs MLM's masking and head, plus negatives from pools; COCO-LM pools too, and owns weights outside the
+    # model (a generator, sampled from a second, dropout-off forward, and heads). Pools of 4 rows, smaller than a
+    # process's micro-batch of 8: each rank forms the pools one process forms. With dropout: its masks are seeded
+    # per (step, global micro-batch), so DDP draws what one process draws
     flags = dict(max_steps=3, warmup_steps=1, log_interval=1, eval_interval=100, ckpt_interval=3, tokens_per_step=1024,
-                 dropout=0.1)
+                 dropout=0.1, objective=objective, negative_pool=4, cache_dir=ddp_cache)
     single = run(common(corpus, tmp_path, out="single", **flags))  # 4 micro-batches of 8 accumulated
     assert single.returncode == 0, single.stderr
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -479,17 +488,25 @@ def test_ddp_two_processes_match_one_process(corpus, tmp_path):
                          cwd=HERE, capture_output=True, text=True, timeout=300, env=env)
     assert ddp.returncode == 0, ddp.stderr[-2000:]
     assert "grad_accum 2" in ddp.stdout and "grad_accum 4" in single.stdout  # DDP accumulates under no_sync
+    assert "negative pool: 4 sequences" in ddp.stdout and "batch_size 8 x" in ddp.stdout
     single_ckpt = torch.load(tmp_path / "single" / "ckpt.pt", weights_only=True)
-    a, b = single_ckpt["model"], torch.load(tmp_path / "ddp" / "ckpt.pt", weights_only=True)["model"]
-    torch.manual_seed(1337)  # train.py's seed: the same initial weights
+    ddp_ckpt = torch.load(tmp_path / "ddp" / "ckpt.pt", weights_only=True)
+    torch.manual_seed(1337)  # train.py's seed: the same initial weights (the model's, then the objective's)
     init = train.Bert(train.BertConfig(**single_ckpt["model_config"]))
-    moved = 0
-    for k in a:
-        assert torch.allclose(a[k], b[k], atol=1e-5), k
-        moved += int(not torch.allclose(a[k], init.state_dict()[k]))
-    assert moved > 10  # the weights did change
-    logged = [{x["step"]: x["loss"] for x in read_log(tmp_path / run_dir)[1] if "loss" in x} for run_dir in ("single", "ddp")]
-    assert logged[0] == pytest.approx(logged[1], abs=1e-5)  # the global batch's loss, not rank 0's half
+    init = {"model": init.state_dict(), "objective": train.LOSSES[objective](init, config.TrainConfig()).state_dict()}
+    moved = dict(model=0, objective=0)
+    for part in moved:  # the encoder, and what the objective owns (COCO-LM's generator and heads)
+        assert single_ckpt[part].keys() == ddp_ckpt[part].keys()
+        for k, a in single_ckpt[part].items():
+            assert torch.allclose(a, ddp_ckpt[part][k], atol=1e-5), (part, k)
+            moved[part] += int(not torch.allclose(a, init[part][k]))
+    assert moved["model"] > 10 and (objective == "taco" or moved["objective"] > 10), moved  # trained (TACO owns none)
+    logged = [read_log(tmp_path / run_dir)[1] for run_dir in ("single", "ddp")]  # training and held-out records
+    assert [x["step"] for x in logged[0]] == [0, 1, 2, 3, 3]
+    assert [x.keys() for x in logged[0]] == [x.keys() for x in logged[1]]
+    for a, b in zip(*logged):  # every logged term of the global batch, not rank 0's half
+        terms = [k for k in a if k not in ("step", "tokens_per_s", "mfu", "elapsed_s")]
+        assert [a[k] for k in terms] == pytest.approx([b[k] for k in terms], abs=1e-5), (a["step"], terms)
 
 
 # ---- a run killed with SIGKILL resumes from its checkpoint onto the same curve
