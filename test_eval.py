@@ -867,9 +867,14 @@ def test_a_stopped_run_keeps_the_tasks_it_finished(tmp_path, tiny_model_dir, mon
     assert "Not run: stsb, mrpc" in (out / "glue.md").read_text()
 
 
-def test_a_second_call_extends_glue_json_or_moves_it_aside(tmp_path, tiny_model_dir, monkeypatch, capsys):
+def fixed_scores(monkeypatch):
+    """fine-tuning stubbed: CoLA scores mcc 42, STS-B pearson 50 / spearman 40, in no time."""
     monkeypatch.setattr(ev, "finetune", lambda base, task, *args: (torch.nn.Linear(1, 1), [
         dict(scores={"cola": dict(mcc=42.0), "stsb": dict(pearson=50.0, spearman=40.0)}[task.name], collapsed=False)]))
+
+
+def test_a_second_call_extends_glue_json_or_moves_it_aside(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    fixed_scores(monkeypatch)
     out, glue = tmp_path / "out", str(write_glue(tmp_path / "glue"))
     common = ["--model", str(tiny_model_dir), "--glue_dir", glue, "--out", str(out)]
     ev.main(common + ["--tasks", "cola"])
@@ -917,8 +922,7 @@ def test_a_damaged_glue_json_moves_aside_and_the_next_task_is_kept(tmp_path, tin
     # an entry of the earlier glue.json (same export and settings) that the table cannot show, a key renamed or a
     # value of another type (an edited or damaged file), was kept in the table: glue.json's rewrite then failed
     # with a traceback once the next task was fine-tuned, and that task's scores were lost
-    monkeypatch.setattr(ev, "finetune", lambda base, task, *args: (torch.nn.Linear(1, 1), [
-        dict(scores={"cola": dict(mcc=42.0), "stsb": dict(pearson=50.0, spearman=40.0)}[task.name], collapsed=False)]))
+    fixed_scores(monkeypatch)
     out, glue = tmp_path / "out", str(write_glue(tmp_path / "glue"))
     common = ["--model", str(tiny_model_dir), "--glue_dir", glue, "--out", str(out)]
     ev.main(common + ["--tasks", "cola"])
