@@ -208,7 +208,7 @@ def take_lock(out_dir, name=".lock", what=None):
         try:
             f = open(path, "a+")
         except OSError as e:  # .lock is a directory, or unwritable
-            raise ValueError(f"cannot open the run's lock file {path} ({e.strerror})") from None
+            raise ValueError(f"cannot open the lock file {path} ({e.strerror})") from None
         try:
             if os.name == "nt":  # Windows has no flock: lock the first byte
                 import msvcrt

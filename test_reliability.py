@@ -115,7 +115,7 @@ def test_a_lock_that_cannot_be_opened_is_one_error_line(corpus, cache, tmp_path,
     (tmp_path / "run" / ".lock").mkdir(parents=True)
     code, out, err = run_main(flags(corpus, cache, tmp_path / "run"), capsys)
     assert code == 2
-    one_error(err, "cannot open the run's lock file")
+    one_error(err, "cannot open the lock file")
 
 
 def test_more_torchrun_processes_than_gpus_is_one_error_line(corpus, cache, tmp_path, capsys, monkeypatch):
