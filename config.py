@@ -108,7 +108,7 @@ PRESETS = {
 # where each preset value comes from, printed by --help
 _TABLE5 = "TACO Table 5"
 PRESET_SOURCES = {
-    "small": dict(model_size="TACO §4: 4 layers, 512 hidden, 8 heads", seq_len=_TABLE5, vocab_size=_TABLE5,
+    "small": dict(model_size=_TABLE5 + ": 4 layers, 512 hidden, 8 heads, FFN 2,048", seq_len=_TABLE5, vocab_size=_TABLE5,
                   tokens_per_step=_TABLE5 + ": 1,280 sequences x 256", max_steps=_TABLE5, warmup_steps=_TABLE5,
                   lr=_TABLE5 + ", linear decay", beta2=_TABLE5, adam_eps=_TABLE5, weight_decay=_TABLE5,
                   grad_clip=_TABLE5, dropout=_TABLE5, mask_prob=_TABLE5,
@@ -120,7 +120,7 @@ PRESET_SOURCES = {
                  warmup_steps="TaCL train.py: 10% of steps", lr="TaCL script", adam_eps="transformers AdamW default",
                  weight_decay="transformers AdamW default", grad_clip="TaCL train.py: max_grad_norm 1.0"),
 }
-PRESET_SOURCES["base"] = dict(PRESET_SOURCES["small"], model_size="TACO §4: 12 layers, 768 hidden, 12 heads")
+PRESET_SOURCES["base"] = dict(PRESET_SOURCES["small"], model_size=_TABLE5 + ": 12 layers, 768 hidden, 12 heads, FFN 3,072")
 
 
 def field_help():

@@ -184,8 +184,11 @@ def test_small_and_base_presets_are_taco_table_5():
         # one GPU: 80 sequences x 16 accumulation micro-steps = 1,280; 16 GPUs (the paper's 80 per GPU): none
         assert config.micro_batching(cfg, 1) == (80, 16) and config.micro_batching(cfg, 16) == (80, 1)
         assert set(config.PRESET_SOURCES[preset]) >= set(table5) | {"tokens_per_step", "max_steps", "warmup_steps"}
-    small = config.MODEL_PRESETS["small"]
-    assert (small["num_layers"], small["hidden_size"], small["num_heads"]) == (4, 512, 8)
+    # Table 5's architecture rows (layers, hidden, heads, FFN inner size); §4 names the sizes but gives no numbers
+    for size, shape in (("small", (4, 512, 8, 2048)), ("base", (12, 768, 12, 3072))):
+        m = config.MODEL_PRESETS[size]
+        assert (m["num_layers"], m["hidden_size"], m["num_heads"], m["intermediate_size"]) == shape
+        assert config.PRESET_SOURCES[size]["model_size"].startswith("TACO Table 5")
 
 
 def test_tacl_and_smoke_presets_are_what_the_docs_say():
