@@ -62,9 +62,9 @@ class TrainConfig:
     tacl_temperature: float = 0.01  # tau (TaCL §3, official scripts)
     gen_shape: str = "cocolm"  # generator: cocolm = same width, max(1, round(L/3)) layers (COCO-LM §4) | electra = full depth, 1/4 width (1/3 for base) (ELECTRA Table 6)
     gen_layers: int = 0  # generator depth; 0 = the gen_shape's own
-    cocolm_copy_weight: float = 50.0  # lambda_copy (COCO-LM §3.1)
+    cocolm_copy_weight: float = 50.0  # lambda_copy (COCO-LM §3, "Corrective Language Modeling")
     cocolm_scl_temperature: float = 1.0  # tau of the SCL NT-Xent (COCO-LM §4)
-    cocolm_crop_fraction: float = 0.9  # share of tokens kept in SCL's cropped view (COCO-LM §3.2)
+    cocolm_crop_fraction: float = 0.9  # share of tokens kept in SCL's cropped view (COCO-LM §3, "Sequence Contrastive Learning")
     cocolm_mask_all: bool = False  # generator input: every selected token -> [MASK] (MC-BERT's default) instead of BERT's 80/10/10 (ours)
     electra_disc_weight: float = 50.0  # lambda on the discriminator loss (ELECTRA §2; the value: App. A)
     # system

@@ -208,7 +208,7 @@ def test_tacl_and_smoke_presets_are_what_the_docs_say():
 def test_objective_defaults_are_the_papers():
     # typed in from the papers (the sources config.py's comments and --help name), so a default cannot drift:
     # TACO App. A (tau 0.07, K = 50 negatives; W = 5 from the official scripts), TACO Eq. 11 (lambda 1),
-    # TaCL §3 (tau 0.01), COCO-LM §3.1 / §3.2 / §4 (lambda_copy 50, 90% crop, SCL tau 1), ELECTRA §2 (lambda 50)
+    # TaCL §3 (tau 0.01), COCO-LM §3 CLM / SCL, §4 (lambda_copy 50, 90% crop, SCL tau 1), ELECTRA §2 (lambda 50)
     papers = dict(taco_temperature=0.07, taco_window=5, taco_negatives=50, taco_weight=1.0, tacl_temperature=0.01,
                   cocolm_copy_weight=50.0, cocolm_crop_fraction=0.9, cocolm_scl_temperature=1.0,
                   electra_disc_weight=50.0, mask_prob=0.15)
