@@ -45,7 +45,7 @@ STAGES = ["pretrain", "continue", "glue", "analysis", "report"]
 SCRATCH = ["mlm", "taco", "cocolm", "electra"]  # pretrained from scratch
 CONTINUED = {"tacl": "tacl", "mlm_cont": "mlm"}  # run name -> objective, both --init_from the mlm run
 # eval.py --recipe's choices (test_reproduce.py checks they agree), and what each is, for results.md
-RECIPES = {"paper": "TACO's Table 7: lr 5e-5, 4 epochs, per-task batch and warm-up",
+RECIPES = {"paper": "TACO's Table 7: lr 5e-5; per-task batch, epochs (4, MNLI/QQP 6) and warm-up",
            "uniform": "TACO's scripts: one recipe for every task, lr 5e-5, batch 32, 4 epochs",
            "short": "ours, for briefly pretrained models: one higher lr for every task (eval.py's SHORT)"}
 
