@@ -754,9 +754,9 @@ def markdown(results, pngs, level=1, folder=""):
                   *glue_rows(runs, label, tasks, recipe), ""]
         claims = claim_rows(runs, tasks, recipe)
         if claims:
-            lines += [f"The papers' claims with this recipe: difference of means (×100), \">\": every seed of the "
-                      f"first run above every seed of the second, \"<\": every one below, \"~\": the seeds' ranges "
-                      f"overlap (within seed noise).", "", *table_head("claim", *tasks, "Avg"), *claims, ""]
+            lines += ["The papers' claims with this recipe: difference of means (×100), \">\": every seed of the "
+                      "first run above every seed of the second, \"<\": every one below, \"~\": the seeds' ranges "
+                      "overlap (within seed noise).", "", *table_head("claim", *tasks, "Avg"), *claims, ""]
     lines += [f"{h(2)}Pretraining: held-out numbers at the last step, and cost", "",
               "MLM loss: the main model's (MLM, TACO, TaCL); ELECTRA and COCO-LM train no MLM head on the main "
               "model, so theirs is the generator's, not comparable. \"Own metric\" is the objective's own "
