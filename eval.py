@@ -520,12 +520,15 @@ def earlier_results(out, settings, tasks, log):
             log(f"note: {path} holds {', '.join(kept)} from the same export and settings: kept in the table")
         predicted = old.get("predictions") if isinstance(old.get("predictions"), dict) else {}
         return kept, {stem: p for stem, p in predicted.items() if SUBMISSIONS.get(stem, ("",))[0] in kept}
-    # its leaderboard files and fine-tuned models go with it, to the first K free for all of them; glue.json last:
-    # a kill before it leaves the rest to be moved next time
-    moves = lambda k: [(f"{stem}.tsv", f"{stem}.{k}.tsv") for stem in SUBMISSIONS] + [
-        ("models", f"models.{k}"), ("glue.md", f"glue.{k}.md"), ("glue.json", f"glue.{k}.json")]
+    # its leaderboard files and fine-tuned models go with it, to the first K free for all of them; glue.md first and
+    # glue.json last: a kill in between leaves a glue.K.md without its glue.K.json, and the next call moves the rest
+    # to that K (to the next free one, it split the set over two numbers)
+    moves = lambda k: [("glue.md", f"glue.{k}.md")] + [(f"{stem}.tsv", f"{stem}.{k}.tsv") for stem in SUBMISSIONS] + [
+        ("models", f"models.{k}"), ("glue.json", f"glue.{k}.json")]
+    here = lambda name: os.path.exists(os.path.join(out, name))
     k = 1
-    while any(os.path.exists(os.path.join(out, aside)) for _, aside in moves(k)):
+    while any(here(aside) for _, aside in moves(k)) and not (  # K taken, unless by this move cut short
+            here(f"glue.{k}.md") and not any(here(name) and here(aside) for name, aside in moves(k))):
         k += 1
     for name, aside in moves(k):
         if os.path.exists(os.path.join(out, name)):

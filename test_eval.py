@@ -899,6 +899,41 @@ def test_a_second_call_extends_glue_json_or_moves_it_aside(tmp_path, tiny_model_
     assert set(json.loads((out / "glue.3.json").read_text())["tasks"]) == {"stsb"}
 
 
+def test_a_move_aside_cut_short_by_a_kill_is_finished_under_the_same_number(tmp_path, monkeypatch):
+    # an earlier glue.json's files move one by one, glue.json last; a kill after two of them (CoLA.1.tsv, MRPC.1.tsv)
+    # made the next call take the first number free for every file, 2: glue.2.json listed leaderboard files left
+    # behind as CoLA.1.tsv and MRPC.1.tsv, beside no glue.1.json
+    out = tmp_path / "out"
+    (out / "models" / "CoLA").mkdir(parents=True)
+    for name in ("CoLA.tsv", "MRPC.tsv", "glue.md"):
+        (out / name).write_text(name)
+    (out / "glue.json").write_text(json.dumps(dict(settings="earlier", tasks={})))
+
+    class Killed(Exception):
+        pass
+    replace, moved = os.replace, []
+
+    def killed_after_two(src, dst):
+        if len(moved) == 2:
+            raise Killed
+        replace(src, dst)
+        moved.append(os.path.basename(dst))
+    monkeypatch.setattr(ev.os, "replace", killed_after_two)
+    with pytest.raises(Killed):
+        ev.earlier_results(str(out), "now", ["cola"], print)
+    monkeypatch.undo()
+    assert len(moved) == 2 and (out / "glue.json").exists()
+    assert ev.earlier_results(str(out), "now", ["cola"], print) == ({}, {})  # the next call finishes the move
+    assert sorted(os.listdir(out)) == ["CoLA.1.tsv", "MRPC.1.tsv", "glue.1.json", "glue.1.md", "models.1"]
+    assert (out / "MRPC.1.tsv").read_text() == "MRPC.tsv" and (out / "models.1" / "CoLA").is_dir()
+    # a whole set under 1 is never joined: the next one goes to 2
+    (out / "glue.json").write_text("{}")
+    (out / "CoLA.tsv").write_text("again")
+    ev.earlier_results(str(out), "now", ["cola"], print)
+    assert (out / "glue.2.json").read_text() == "{}" and (out / "CoLA.2.tsv").read_text() == "again"
+    assert (out / "CoLA.1.tsv").read_text() == "CoLA.tsv"
+
+
 def test_a_second_eval_into_the_same_out_is_refused_while_the_first_writes_there(tmp_path, tiny_model_dir, monkeypatch,
                                                                                  capsys):
     # --tasks cola and --tasks mrpc started together into one --out: each found no glue.json, and the last one to
