@@ -591,13 +591,15 @@ def set_aside_earlier(out, head, paths, log=print):
             and isinstance(old.get("models"), dict)
             and {m.get("path") if isinstance(m, dict) else None for m in old["models"].values()} <= set(paths)):
         return
-    k = 1  # the first number free for every file that moves
-    while any(os.path.exists(os.path.join(out, f)) for f in [f"analysis.{k}.json"] + [plot_file(n, k) for n in PLOTS]):
+    moves = lambda k: [(plot_file(n), plot_file(n, k)) for n in PLOTS] + [("analysis.json", f"analysis.{k}.json")]
+    here = lambda name: os.path.exists(os.path.join(out, name))
+    k = 1  # the first number free for every file that moves, unless taken by this move cut short by a kill: its first
+    while any(here(aside) for _, aside in moves(k)) and not (  # plot there, and nothing here would land on a file
+            here(moves(k)[0][1]) and not any(here(name) and here(aside) for name, aside in moves(k))):
         k += 1
-    for name in PLOTS:
-        if os.path.exists(os.path.join(out, plot_file(name))):
-            os.replace(os.path.join(out, plot_file(name)), os.path.join(out, plot_file(name, k)))
-    os.replace(path, os.path.join(out, f"analysis.{k}.json"))  # last: a kill before it leaves it to move next time
+    for name, aside in moves(k):  # analysis.json last: a kill before it leaves the rest to move to this k next time
+        if here(name):
+            os.replace(os.path.join(out, name), os.path.join(out, aside))
     log(f"note: {path} was another measurement (other models, text, seed or --max_len): moved to analysis.{k}.json")
 
 

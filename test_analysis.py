@@ -695,6 +695,34 @@ def test_an_earlier_analysis_moves_aside_unless_redone(tok, tmp_path, monkeypatc
     assert "analysis.3.json" in names and (out / "analysis_contextual.2.png").stat().st_mtime_ns == before
 
 
+def test_an_analysis_moving_aside_cut_short_by_a_kill_is_finished_under_the_same_number(tmp_path, monkeypatch):
+    # the plots move one by one, analysis.json last; a kill after two of them made the next call take the first
+    # number free for every file, 2: analysis.2.json beside the other plots, and two of its plots left as .1.png
+    out, head = tmp_path / "out", dict(text="t", num_sentences=20, seed=0, max_len=128)
+    out.mkdir()
+    for name in A.PLOTS:
+        (out / A.plot_file(name)).write_text(name)
+    (out / "analysis.json").write_text(json.dumps(dict(head, seed=1, models={})))
+
+    class Killed(Exception):
+        pass
+    replace, moved = os.replace, []
+
+    def killed_after_two(src, dst):
+        if len(moved) == 2:
+            raise Killed
+        replace(src, dst)
+        moved.append(os.path.basename(dst))
+    monkeypatch.setattr(A.os, "replace", killed_after_two)
+    with pytest.raises(Killed):
+        A.set_aside_earlier(str(out), head, [])
+    monkeypatch.undo()
+    assert len(moved) == 2 and (out / "analysis.json").exists()
+    A.set_aside_earlier(str(out), head, [])  # the next call finishes the move
+    assert sorted(os.listdir(out)) == sorted(["analysis.1.json"] + [A.plot_file(n, 1) for n in A.PLOTS])
+    assert all((out / A.plot_file(n, 1)).read_text() == n for n in A.PLOTS)
+
+
 def test_a_second_analysis_into_the_same_out_is_refused_while_the_first_writes_there(tok, tmp_path, monkeypatch):
     # two --analysis (other seeds) into one --out at once: their plots and analysis.json were written over each
     # other (the last analysis.json beside the other's plots), or one died on the other's temporary file
