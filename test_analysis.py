@@ -16,6 +16,7 @@ import torch.nn as nn
 
 import analysis as A
 from model import Bert, BertConfig
+from test_eval import Killed, renames_then_killed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORDS = ("tiger cat love sex king queen money bank cash river water computer keyboard car train "
@@ -704,16 +705,7 @@ def test_an_analysis_moving_aside_cut_short_by_a_kill_is_finished_under_the_same
         (out / A.plot_file(name)).write_text(name)
     (out / "analysis.json").write_text(json.dumps(dict(head, seed=1, models={})))
 
-    class Killed(Exception):
-        pass
-    replace, moved = os.replace, []
-
-    def killed_after_two(src, dst):
-        if len(moved) == 2:
-            raise Killed
-        replace(src, dst)
-        moved.append(os.path.basename(dst))
-    monkeypatch.setattr(A.os, "replace", killed_after_two)
+    moved = renames_then_killed(monkeypatch, 2)
     with pytest.raises(Killed):
         A.set_aside_earlier(str(out), head, [])
     monkeypatch.undo()

@@ -867,6 +867,23 @@ def test_a_stopped_run_keeps_the_tasks_it_finished(tmp_path, tiny_model_dir, mon
     assert "Not run: stsb, mrpc" in (out / "glue.md").read_text()
 
 
+class Killed(Exception):
+    """Where a SIGKILL would have stopped the process."""
+
+
+def renames_then_killed(monkeypatch, n):
+    """os.replace does n renames, then the process is 'killed' (Killed) at the next; returns the names moved."""
+    replace, moved = os.replace, []
+
+    def rename(src, dst):
+        if len(moved) == n:
+            raise Killed
+        replace(src, dst)
+        moved.append(os.path.basename(dst))
+    monkeypatch.setattr(os, "replace", rename)
+    return moved
+
+
 def fixed_scores(monkeypatch):
     """fine-tuning stubbed: CoLA scores mcc 42, STS-B pearson 50 / spearman 40, in no time."""
     monkeypatch.setattr(ev, "finetune", lambda base, task, *args: (torch.nn.Linear(1, 1), [
@@ -909,16 +926,7 @@ def test_a_move_aside_cut_short_by_a_kill_is_finished_under_the_same_number(tmp_
         (out / name).write_text(name)
     (out / "glue.json").write_text(json.dumps(dict(settings="earlier", tasks={})))
 
-    class Killed(Exception):
-        pass
-    replace, moved = os.replace, []
-
-    def killed_after_two(src, dst):
-        if len(moved) == 2:
-            raise Killed
-        replace(src, dst)
-        moved.append(os.path.basename(dst))
-    monkeypatch.setattr(ev.os, "replace", killed_after_two)
+    moved = renames_then_killed(monkeypatch, 2)
     with pytest.raises(Killed):
         ev.earlier_results(str(out), "now", ["cola"], print)
     monkeypatch.undo()
