@@ -298,6 +298,8 @@ def run_parallel(calls, jobs, env):
                 reader = threading.Thread(target=tee, args=(proc, log_path, os.path.basename(log_path)[:-4]))
                 reader.start()
                 running[proc] = (cmd, log_path, timed, then, reader, time.time())
+                if stop:  # a signal since the loop's check found no one to pass it on to: this call gets it now
+                    proc.send_signal(stop[0])
             time.sleep(0.05)
             for proc in [p for p in running if p.poll() is not None]:
                 cmd, log_path, timed, then, reader, t0 = running.pop(proc)

@@ -983,3 +983,20 @@ def test_a_sigterm_to_reproduce_reaches_the_running_call_which_saves_its_step(tm
         reproduce.run_cmd([sys.executable, "-c", child, "train.py"], str(tmp_path / "out.log"), False)
     assert exit_info.value.code == 128 + signal.SIGTERM and time.time() - t0 < 10
     assert (tmp_path / "out.log").read_text() == "saved\n" and "train.py exited 143" in capsys.readouterr().err
+
+
+def test_a_sigterm_before_a_call_is_recorded_still_reaches_it(tmp_path, monkeypatch, capsys):
+    # a signal between the call's start and run_parallel's record of it was passed on to no one: reproduce.py
+    # then waited for the whole call (a training run) to end by itself (seen in CI, on a loaded machine)
+    spawn = reproduce.spawn
+
+    def spawn_then_sigterm(cmd, env):
+        proc = spawn(cmd, env)
+        os.kill(os.getpid(), signal.SIGTERM)  # handled here, before run_parallel records proc
+        return proc
+    monkeypatch.setattr(reproduce, "spawn", spawn_then_sigterm)
+    t0 = time.time()
+    with pytest.raises(SystemExit) as exit_info:
+        reproduce.run_cmd([sys.executable, "-c", "import time; time.sleep(20)", "train.py"], str(tmp_path / "log"), False)
+    assert exit_info.value.code == 128 + signal.SIGTERM and time.time() - t0 < 10
+    assert "stopped by SIGTERM" in capsys.readouterr().err
