@@ -45,7 +45,7 @@ from corpus import read_text
 from glue_tasks import TASKS, load_hub, read_tsv
 from hf_io import replace_atomic, still_training, write_atomic
 from model import Bert
-from rundir import locked
+from rundir import locked, move_aside
 from token_files import vocab_matches
 
 ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
@@ -591,15 +591,9 @@ def set_aside_earlier(out, head, paths, log=print):
             and isinstance(old.get("models"), dict)
             and {m.get("path") if isinstance(m, dict) else None for m in old["models"].values()} <= set(paths)):
         return
-    moves = lambda k: [(plot_file(n), plot_file(n, k)) for n in PLOTS] + [("analysis.json", f"analysis.{k}.json")]
-    here = lambda name: os.path.exists(os.path.join(out, name))
-    k = 1  # the first number free for every file that moves, unless taken by this move cut short by a kill: its first
-    while any(here(aside) for _, aside in moves(k)) and not (  # plot there, and nothing here would land on a file
-            here(moves(k)[0][1]) and not any(here(name) and here(aside) for name, aside in moves(k))):
-        k += 1
-    for name, aside in moves(k):  # analysis.json last: a kill before it leaves the rest to move to this k next time
-        if here(name):
-            os.replace(os.path.join(out, name), os.path.join(out, aside))
+    # the plots, then analysis.json last: a kill before it leaves the rest to move to the same k next time
+    k = move_aside(out, lambda k: [(plot_file(n), plot_file(n, k)) for n in PLOTS] +
+                   [("analysis.json", f"analysis.{k}.json")])
     log(f"note: {path} was another measurement (other models, text, seed or --max_len): moved to analysis.{k}.json")
 
 
@@ -620,8 +614,9 @@ def run_analysis(args):
         raise ValueError(f"cannot write the analysis into {out}: it {problem}; pass --out DIR")
     for path in models:  # every model checked first, one at a time: a bad --model is one line before any work
         model, tok = Bert.from_pretrained(path), load_tokenizer(path)
-        if tokenizer_problem(model, tok, path):
-            raise ValueError(tokenizer_problem(model, tok, path))
+        problem = tokenizer_problem(model, tok, path)
+        if problem:
+            raise ValueError(problem)
         if "max_len" in given and args.max_len > model.config.max_position_embeddings:  # as eval.py's GLUE refuses
             raise ValueError(f"--max_len {args.max_len}: exceeds {path}'s {model.config.max_position_embeddings} positions")
         del model  # loaded again at its turn: six base models at once would hold 2.6 GB

@@ -53,7 +53,7 @@ from glue_scores import AVG8, AVG9, MAIN, glue_table, like_for_like, score
 from glue_tasks import SUBMISSIONS, TASKS, TaskMissing, load_task
 from hf_io import config_to_hf, still_training, write_atomic, write_hf_dir
 from model import Bert
-from rundir import locked
+from rundir import locked, move_aside
 
 # ----------------------------------------------------------------------------------------------
 # Tasks and data
@@ -522,17 +522,10 @@ def earlier_results(out, settings, tasks, log):
         return kept, {stem: p for stem, p in predicted.items() if SUBMISSIONS.get(stem, ("",))[0] in kept}
     # its leaderboard files and fine-tuned models go with it, to the first K free for all of them; glue.md first and
     # glue.json last: a kill in between leaves a glue.K.md without its glue.K.json, and the next call moves the rest
-    # to that K (to the next free one, it split the set over two numbers)
-    moves = lambda k: [("glue.md", f"glue.{k}.md")] + [(f"{stem}.tsv", f"{stem}.{k}.tsv") for stem in SUBMISSIONS] + [
-        ("models", f"models.{k}"), ("glue.json", f"glue.{k}.json")]
-    here = lambda name: os.path.exists(os.path.join(out, name))
-    k = 1
-    while any(here(aside) for _, aside in moves(k)) and not (  # K taken, unless by this move cut short
-            here(f"glue.{k}.md") and not any(here(name) and here(aside) for name, aside in moves(k))):
-        k += 1
-    for name, aside in moves(k):
-        if os.path.exists(os.path.join(out, name)):
-            os.replace(os.path.join(out, name), os.path.join(out, aside))
+    # to that K
+    moves = lambda k: ([("glue.md", f"glue.{k}.md")] + [(f"{stem}.tsv", f"{stem}.{k}.tsv") for stem in SUBMISSIONS]
+                       + [("models", f"models.{k}"), ("glue.json", f"glue.{k}.json")])
+    k = move_aside(out, moves)
     why = "was made from another export or with other settings" if isinstance(old, dict) else "is unreadable or damaged"
     log(f"note: {path} {why}: moved to glue.{k}.json (with its leaderboard files and models, if any)")
     return {}, {}
@@ -552,8 +545,9 @@ def run_glue(args, log=print):
     model_dir = args.model if os.path.isdir(args.model) else os.path.dirname(os.path.abspath(args.model))
     tok = load_tokenizer(model_dir)
     cfg = base.config
-    if analysis.tokenizer_problem(base, tok, model_dir):
-        raise ValueError(analysis.tokenizer_problem(base, tok, model_dir))
+    problem = analysis.tokenizer_problem(base, tok, model_dir)
+    if problem:
+        raise ValueError(problem)
     ids, mine = special_token_ids(tok), (cfg.pad_token_id, cfg.cls_token_id, cfg.sep_token_id)
     if (ids["pad"], ids["cls"], ids["sep"]) != mine:  # config.json's ids, or a guess where it has none
         raise ValueError(f"{model_dir}: the tokenizer's [PAD], [CLS], [SEP] are {ids['pad']}, {ids['cls']}, "

@@ -268,6 +268,22 @@ def locked(out_dir, name, what):
             os.rmdir(out_dir)
 
 
+def move_aside(folder, moves):
+    """Move a set of files (eval.py's earlier GLUE results, an earlier analysis) aside to the first number k free
+    for all of them; moves(k) lists (name, its name at k) in the order they move, the one whose presence says the
+    set is still here last. A k whose first file is there, where nothing still here would land on a file, is such
+    a move cut short by a kill: the rest goes there, not to the next k. Returns k."""
+    here = lambda name: os.path.exists(os.path.join(folder, name))
+    k = 1
+    while any(here(aside) for _, aside in moves(k)) and not (
+            here(moves(k)[0][1]) and not any(here(name) and here(aside) for name, aside in moves(k))):
+        k += 1
+    for name, aside in moves(k):
+        if here(name):
+            os.replace(os.path.join(folder, name), os.path.join(folder, aside))
+    return k
+
+
 def remove_partial_writes(out_dir):
     """A run killed mid-save leaves its temporary file (ckpt.pt.tmp: over a GB for BERT-base); the
     finished files, and any file that is not one of ours, are untouched. Called under the lock, so
