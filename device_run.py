@@ -498,8 +498,6 @@ def run_stage(argv, env, log, out_path, deadline, pack, stop_signal=signal.SIGTE
     and a training run saves its step), GRACE seconds, then SIGKILL for its whole group. The archive is
     repacked every PACK_EVERY seconds meanwhile. Returns (exit code, stopped at the deadline)."""
     log("$ " + " ".join(argv))
-    proc = subprocess.Popen(argv, cwd=HERE, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
     out = open(out_path or os.devnull, "a")  # reproduce.py keeps its own logs: speed's stages only
 
     def tee():
@@ -508,9 +506,11 @@ def run_stage(argv, env, log, out_path, deadline, pack, stop_signal=signal.SIGTE
             out.write(line)
             out.flush()
     reader = threading.Thread(target=tee, daemon=True)
-    reader.start()
     stopped, last_pack = None, time.time()
-    try:
+    proc = subprocess.Popen(argv, cwd=HERE, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:  # from the stage's start: an interrupt from here on reaches it (its own session gets no Ctrl-C)
+        reader.start()
         while proc.poll() is None:
             time.sleep(0.2)
             if stopped is None and time.time() >= deadline:
@@ -532,7 +532,8 @@ def run_stage(argv, env, log, out_path, deadline, pack, stop_signal=signal.SIGTE
             os.killpg(proc.pid, signal.SIGKILL)
         raise
     finally:
-        reader.join(timeout=5)
+        if reader.is_alive():
+            reader.join(timeout=5)
         out.close()
     return proc.returncode, stopped is not None
 

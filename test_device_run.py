@@ -11,7 +11,9 @@ import signal
 import subprocess
 import sys
 import tarfile
+import threading
 import time
+import types
 
 import pytest
 
@@ -588,6 +590,28 @@ def test_a_stage_is_stopped_at_its_deadline_and_packed_while_it_runs(tmp_path, m
     assert stopped and code == 143 and "saved\n" in lines
     assert time.time() - t0 < 4  # at the deadline, not a grace period after it
     assert len(packs) >= 2 and all(t0 + 0.3 < t < t0 + 4 for t in packs), [t - t0 for t in packs]
+
+
+def test_an_interrupt_as_the_stage_starts_reaches_the_stage(tmp_path, monkeypatch):
+    # Ctrl-C (or the device tool's SIGTERM) right after the Popen: the stage, in a session of its own, hears
+    # nothing of it unless run_stage passes it on, and would go on training on the device after the command
+    ready, saved = tmp_path / "ready", tmp_path / "saved"
+
+    class InterruptedAtStart(threading.Thread):
+        def start(self):  # the interrupt lands once the stage is up (as a training run's handlers are)
+            while not ready.exists():
+                time.sleep(0.05)
+            raise KeyboardInterrupt
+    monkeypatch.setattr(device_run, "threading", types.SimpleNamespace(Thread=InterruptedAtStart))
+    monkeypatch.setattr(device_run, "GRACE", 10.0)
+    stage = ("import signal, sys, time\n"
+             f"signal.signal(signal.SIGTERM, lambda *a: (open({str(saved)!r}, 'w').close(), sys.exit(143)))\n"
+             f"open({str(ready)!r}, 'w').close(); time.sleep(60)")
+    t0 = time.time()
+    with pytest.raises(KeyboardInterrupt):
+        device_run.run_stage([sys.executable, "-c", stage], dict(os.environ), lambda line: None, None,
+                             time.time() + 60, lambda: None)
+    assert saved.exists() and time.time() - t0 < 10
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
