@@ -26,6 +26,7 @@ log's contextual_score and analysis.json's are on different scales.
 Entry points: run_analysis(args) and plot_logs(paths, out).
 """
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -576,7 +577,8 @@ def plot_file(name, k=None):
 
 def set_aside_earlier(out, head, paths, log=print):
     """An earlier analysis.json in `out` is replaced only by the same measurement redone (the same text,
-    sentences, seed and max_len, and every model it held among `paths`: reproduce.py's growing set of runs);
+    sentences (their sha1: an edited --text, or another version's split, has the same name and count), seed
+    and max_len, and every model it held among `paths`: reproduce.py's growing set of runs);
     any other (another --analysis_seed, --text, model) moves aside with its plots to analysis.K.json and
     analysis_NAME.K.png: never overwritten, as eval.py's glue.json."""
     path = os.path.join(out, "analysis.json")
@@ -594,7 +596,8 @@ def set_aside_earlier(out, head, paths, log=print):
     # the plots, then analysis.json last: a kill before it leaves the rest to move to the same k next time
     k = move_aside(out, lambda k: [(plot_file(n), plot_file(n, k)) for n in PLOTS] +
                    [("analysis.json", f"analysis.{k}.json")])
-    log(f"note: {path} was another measurement (other models, text, seed or --max_len): moved to analysis.{k}.json")
+    log(f"note: {path} was another measurement (other models, sentences, seed or --max_len): moved to "
+        f"analysis.{k}.json")
 
 
 def run_analysis(args):
@@ -633,13 +636,17 @@ def run_analysis(args):
               f"pass --glue_dir DIR holding STS-B/dev.tsv")
     # one readable sentence for the heatmap, the same text for every model
     heatmap_sentence = next((s for s in sentences if 8 <= len(s.split()) <= 16), sentences[0])
-    results = {"text": text_source, "num_sentences": len(sentences), "seed": args.seed, "max_len": args.max_len,
-               "stsb": stsb_source and f"{stsb_source} (validation split)", "heatmap_sentence": heatmap_sentence,
+    # the sentences' sha1: the same --text name and count can hold other sentences (the file edited, or an earlier
+    # version's split_sentences): another measurement, which must not overwrite this one's analysis.json
+    digest = hashlib.sha1("\n".join(sentences).encode("utf-8")).hexdigest()[:16]
+    results = {"text": text_source, "num_sentences": len(sentences), "sentences_sha1": digest, "seed": args.seed,
+               "max_len": args.max_len, "stsb": stsb_source and f"{stsb_source} (validation split)", "heatmap_sentence": heatmap_sentence,
                "models": {}}
     # one eval.py --analysis at a time writes here: two wrote their plots and analysis.json over each other (the
     # last analysis.json beside the other's plots), or one died on the other's temporary file
     with locked(out, ".analysis.lock", f"the analysis' output directory {out}"):
-        set_aside_earlier(out, {k: results[k] for k in ("text", "num_sentences", "seed", "max_len")}, models)
+        set_aside_earlier(out, {k: results[k] for k in ("text", "num_sentences", "sentences_sha1", "seed", "max_len")},
+                          models)
         raws = {}
         for label, path in zip(_labels(models), models):
             print(f"analysing {path}")

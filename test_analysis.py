@@ -696,6 +696,28 @@ def test_an_earlier_analysis_moves_aside_unless_redone(tok, tmp_path, monkeypatc
     assert "analysis.3.json" in names and (out / "analysis_contextual.2.png").stat().st_mtime_ns == before
 
 
+def test_an_earlier_analysis_of_other_sentences_moves_aside(tok, tmp_path, monkeypatch):
+    # the same --text name, count, seed and model, other sentences: an earlier version's split_sentences (an
+    # analysis.json of 20 commits back, found by a compatibility audit) or an edited --text. It was overwritten
+    no_hub(monkeypatch)
+    model = save_model(tiny_bert(tok.get_vocab_size()), tok, tmp_path / "run")
+    text, out = tmp_path / "t.txt", tmp_path / "out"
+    for plot in ("contextual", "self_similarity", "heatmaps", "sentence_similarity", "word_similarity"):
+        monkeypatch.setattr(A, f"plot_{plot}", lambda *args: open(args[-1], "wb").close())  # matplotlib is slow
+    analyse = lambda: A.run_analysis(SimpleNamespace(model=[model], out=str(out), text=str(text), num_sentences=10))
+    text.write_text("\n".join(make_text(20, seed=0)))
+    first = analyse()
+    text.write_text("\n".join(make_text(20, seed=1)))  # same name; 10 of more sentences: the same count
+    second = analyse()
+    assert first["num_sentences"] == second["num_sentences"] and first["text"] == second["text"]
+    assert json.loads((out / "analysis.1.json").read_text())["heatmap_sentence"] == first["heatmap_sentence"]
+    old = json.loads((out / "analysis.json").read_text())  # as a version before sentences_sha1 wrote it
+    del old["sentences_sha1"]
+    (out / "analysis.json").write_text(json.dumps(old))
+    analyse()
+    assert (out / "analysis.2.json").exists()
+
+
 def test_an_analysis_moving_aside_cut_short_by_a_kill_is_finished_under_the_same_number(tmp_path, monkeypatch):
     # the plots move one by one, analysis.json last; a kill after two of them made the next call take the first
     # number free for every file, 2: analysis.2.json beside the other plots, and two of its plots left as .1.png
