@@ -523,9 +523,16 @@ class Run:
         # the code that ran, for each segment of the run: a resume's local changes go to code-step{N}.diff
         self.diff_name = f"code-step{step}.diff" if ckpt else "code.diff"
         start = {"config": asdict(cfg), "provenance": provenance(cfg.out_dir, self.diff_name)}
-        before, now = last_start_config(cfg.out_dir, "provenance").get("modules"), start["provenance"]["modules"]
+        old, new = last_start_config(cfg.out_dir, "provenance"), start["provenance"]
+        before, now = old.get("modules"), new["modules"]
         if ckpt and isinstance(before, dict):  # an edit between two segments: one run, two codes (said on resume)
             self.code_changed = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
+        elif ckpt and isinstance(old.get("git_commit"), str) and (
+                old["git_commit"], old.get("diff_sha1")) != (new["git_commit"], new["diff_sha1"]):
+            # a log.jsonl of an earlier version, without the modules' hashes: its commit and local changes say it
+            code = lambda p: (p["git_commit"] or "none")[:7] + (" + local changes" if p.get("diff_sha1") else "")
+            self.code_changed = [f"the code (commit {code(old)}, now {code(new)}; this log.jsonl records no module "
+                                 f"hashes, so which modules is unknown)"]
         start.update({"resumed_from_step": step} if ckpt else {"model_config": asdict(self.model_config)})
         self.log(start)
 

@@ -979,6 +979,29 @@ def test_a_resume_after_an_edit_names_the_changed_modules(corpus, cache, tmp_pat
     assert "note: losses.py changed since this run last started: the steps after 6 run the new code" in out, out
 
 
+def test_a_resume_of_a_log_without_module_hashes_names_the_commits(corpus, cache, tmp_path, capsys):
+    # a run made before log.jsonl recorded each module's sha1, resumed after a git pull: it went on with the new
+    # code silently (found by a compatibility audit: a run of 300 commits back changed its held-out numbers)
+    code, _, err = run_main(flags(corpus, cache, tmp_path / "run", max_steps=5, ckpt_interval=5), capsys)
+    assert code == 0, err
+    log = tmp_path / "run" / "log.jsonl"
+    now = json.loads(log.read_text().splitlines()[0])["provenance"]
+
+    def earlier_version(commit, diff_sha1):  # log.jsonl's one start line as an earlier version wrote it
+        lines = log.read_text().splitlines()
+        start = json.loads(lines[0])
+        start["provenance"].pop("modules", None)
+        start["provenance"].update(git_commit=commit, diff_sha1=diff_sha1)
+        log.write_text("\n".join([json.dumps(start)] + [s for s in lines[1:] if not s.startswith('{"config"')]) + "\n")
+    earlier_version(now["git_commit"], now["diff_sha1"])  # the same commit and local changes: nothing to say
+    code, out, err = run_main(["--resume", tmp_path / "run", "--max_steps", "6"], capsys)
+    assert code == 0 and "changed since this run last started" not in out, err
+    earlier_version("0123456789abcdef", None)
+    code, out, err = run_main(["--resume", tmp_path / "run", "--max_steps", "7"], capsys)
+    assert code == 0, err
+    assert "note: the code (commit 0123456, now " in out and "changed since this run last started" in out, out
+
+
 def test_resume_applies_the_new_optimizer_flags_dropout_and_dtype(corpus, cache, tmp_path, capsys):
     # the saved param groups and model config must not silently override what the flags say now;
     # an fp32 checkpoint (empty GradScaler state) resumes under fp16 without a traceback
