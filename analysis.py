@@ -640,8 +640,8 @@ def run_analysis(args):
     # version's split_sentences): another measurement, which must not overwrite this one's analysis.json
     digest = hashlib.sha1("\n".join(sentences).encode("utf-8")).hexdigest()[:16]
     results = {"text": text_source, "num_sentences": len(sentences), "sentences_sha1": digest, "seed": args.seed,
-               "max_len": args.max_len, "stsb": stsb_source and f"{stsb_source} (validation split)", "heatmap_sentence": heatmap_sentence,
-               "models": {}}
+               "max_len": args.max_len, "stsb": stsb_source and f"{stsb_source} (validation split)",
+               "heatmap_sentence": heatmap_sentence, "models": {}}
     # one eval.py --analysis at a time writes here: two wrote their plots and analysis.json over each other (the
     # last analysis.json beside the other's plots), or one died on the other's temporary file
     with locked(out, ".analysis.lock", f"the analysis' output directory {out}"):
