@@ -265,9 +265,10 @@ def pool_problem(cfg, pool):
     None: asked of the flags before a run, and of what each process gets once the world size caps its batch."""
     if not pooled(cfg.objective):
         return None
-    if pool < 2:
-        return "batch_size", ("TACO and COCO-LM's SCL draw negatives from the other sequences of their pool: they "
-                              f"need a pool (negative_pool, else batch_size) of >= 2 sequences, not {pool}")
+    if pool < 2:  # the flag that set the pool: --negative_pool 1 is its own mistake, not --batch_size's
+        flag = "negative_pool" if cfg.negative_pool else "batch_size"
+        return flag, ("TACO and COCO-LM's SCL draw negatives from the other sequences of their pool: they "
+                      f"need a pool (negative_pool, else batch_size) of >= 2 sequences, not {pool}")
     candidates = (pool - 1) * cfg.seq_len  # tokens in the other rows of a pool
     if cfg.objective == "taco" and cfg.taco_negatives > candidates:
         return "taco_negatives", (f"must be <= {candidates:,}, the tokens of the other rows of a pool of {pool} "

@@ -101,6 +101,10 @@ def test_every_bad_flag_is_one_error_line(corpus, cache, tmp_path, capsys):
     code, out, err = run_main(flags(corpus, cache, tmp_path / "run", objective="taco", taco_negatives=100000), capsys)
     assert code == 2
     one_error(err, "--taco_negatives", f"<= {7 * 32}")
+    # a pool of 1 set by --negative_pool is refused under that flag, not under --batch_size (found by a flag fuzz)
+    for objective in ("taco", "cocolm"):
+        code, out, err = run_main(flags(corpus, cache, tmp_path / "run", objective=objective, negative_pool=1), capsys)
+        assert code == 2 and one_error(err, "--negative_pool 1:", ">= 2 sequences")
 
 
 def test_the_lowest_value_each_flag_allows_is_accepted(tmp_path):
