@@ -342,8 +342,10 @@ def validate(cfg):
     need(cfg.tokens_per_step <= 2 ** 30, "tokens_per_step", "must be <= 2**30 (TACO's base step is 327,680 tokens; "
          "a larger one is a step of hours of accumulation that a signal would wait for)")
     need(cfg.vocab_size <= 1_000_000, "vocab_size", "must be <= 1,000,000 (BERT's is 30,522; multilingual ones 120k-250k)")
-    # masking picks round(mask_prob x eligible) tokens a row (losses.mask_tokens): none would train nothing
-    need(round(cfg.mask_prob * (cfg.seq_len - 2)) >= 1, "mask_prob", f"x (seq_len {cfg.seq_len} - 2) tokens rounds to "
+    # masking picks round(mask_prob x eligible) tokens a row (losses.mask_tokens): none would train nothing. In
+    # float32, as mask_tokens rounds: seq_len 5 x 0.16666667 is 0.50000001 in Python but 0.5 -> 0 there
+    masked = (torch.tensor(cfg.seq_len - 2) * cfg.mask_prob).round()
+    need(masked >= 1, "mask_prob", f"x (seq_len {cfg.seq_len} - 2) tokens rounds to "
          "0 masked tokens a row: nothing to predict (raise --mask_prob or --seq_len)")
     for name in ("out_dir", "cache_dir"):
         need(not reads_into(cfg.data, getattr(cfg, name)), name, f"is inside --data {cfg.data}: its files would be "

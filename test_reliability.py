@@ -84,6 +84,7 @@ BAD_VALUES = [
     ("taco_weight", "-1"), ("out_dir", ""), ("out_dir", "FILE"), ("out_dir", "FILE/run"), ("cache_dir", "FILE"),
     ("seed", "-1"), ("seed", str(2 ** 64)), ("data", ""), ("data", " "), ("init_from", "FILE/missing"),
     ("vocab_size", str(10 ** 20)), ("mask_prob", "0.01"), ("tokens_per_step", str(2 ** 71)),  # 0.01 x 30 tokens rounds to no masked token a row
+    ("mask_prob", "0.016666667"),  # x 30 tokens: 0.50000001 in Python, but 0.5 -> 0 masked in mask_tokens' float32
 ]
 if not torch.cuda.is_available():
     BAD_VALUES.append(("device", "cuda"))
