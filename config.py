@@ -354,6 +354,9 @@ def validate(cfg):
     problem = pool_problem(cfg, cfg.negative_pool or cfg.batch_size)  # the flags' pool, before any process count
     if problem:
         need(False, *problem)
+    # every objective's held-out batch has --negative_pool rows: its contextual score needs a second block
+    need(cfg.negative_pool != 1, "negative_pool", "must be 0 or >= 2 (it sets the held-out batch's rows too: one "
+         "row has no other block for the contextual score)")
     need(cfg.objective != "tacl" or cfg.init_from or cfg.resume, "init_from",
          "TaCL continues a trained model: pass --init_from a run dir or a Hugging Face BERT dir "
          "(e.g. first python train.py --objective mlm --out_dir out/mlm, then --init_from out/mlm)")

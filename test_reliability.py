@@ -80,6 +80,7 @@ BAD_VALUES = [
     ("gen_layers", "-1"), ("vocab_size", "0"), ("vocab_size", "10"), ("taco_negatives", "0"),
     ("taco_temperature", "0"), ("tacl_temperature", "-1"), ("cocolm_scl_temperature", "0"), ("adam_eps", "0"),
     ("beta2", "1"), ("dropout", "1"), ("val_fraction", "0.9"), ("val_fraction", "-0.1"), ("negative_pool", "-1"),
+    ("negative_pool", "1"),  # under MLM too: the held-out batch's rows, and its contextual score was NaN
     ("taco_anchors", "some"), ("gen_shape", "bart"), ("model_size", "huge"), ("objective", "bogus"),
     ("taco_weight", "-1"), ("out_dir", ""), ("out_dir", "FILE"), ("out_dir", "FILE/run"), ("cache_dir", "FILE"),
     ("seed", "-1"), ("seed", str(2 ** 64)), ("data", ""), ("data", " "), ("init_from", "FILE/missing"),
