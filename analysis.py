@@ -512,12 +512,13 @@ def _mean(values):
 
 
 def _finite(obj):
-    """NaN -> None, so analysis.json stays strict JSON (a one-sentence context has no score)."""
+    """NaN or +-inf -> None, so analysis.json (and eval.py's glue.json) stays strict JSON (a one-sentence
+    context has no score; a diverged fine-tuning run has no finite train loss)."""
     if isinstance(obj, dict):
         return {k: _finite(v) for k, v in obj.items()}
     if isinstance(obj, list):
         return [_finite(v) for v in obj]
-    return None if isinstance(obj, float) and math.isnan(obj) else obj
+    return None if isinstance(obj, float) and not math.isfinite(obj) else obj
 
 
 @torch.no_grad()

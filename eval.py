@@ -635,7 +635,8 @@ def run_glue(args, log=print):
                 report["predictions"] = {**earlier_predictions, **predictions}
             table = glue_table(report, compare=args.compare)
             os.makedirs(out, exist_ok=True)
-            write_atomic(os.path.join(out, "glue.json"), json.dumps(report, indent=2))
+            # strict JSON: a diverged run's train loss is NaN, which json.dumps writes bare and other readers refuse
+            write_atomic(os.path.join(out, "glue.json"), json.dumps(analysis._finite(report), indent=2))
             write_atomic(os.path.join(out, "glue.md"), table + "\n")
             return report, table
 

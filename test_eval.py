@@ -1168,3 +1168,17 @@ def test_regression_trains_on_mean_squared_error(tiny_model_dir):
                                  log=lambda line: None)
     preds = ev.predict(model, enc, 0, torch.device("cpu"))
     assert history[0]["train_loss"] == pytest.approx(np.mean((preds - enc.labels) ** 2), rel=1e-4)
+
+
+def test_a_diverged_run_leaves_strict_json(tmp_path, tiny_model_dir):
+    # found by a fuzz of eval.py's flags: --lr 1e9 drives the train loss to NaN, and glue.json held a bare NaN,
+    # which strict JSON readers (jq, a browser) refuse; a non-finite number is written as null
+    out = tmp_path / "out"
+    ev.run_glue(ev.build_parser().parse_args([
+        "--model", str(tiny_model_dir), "--glue_dir", str(write_glue(tmp_path / "glue", n=16)), "--tasks", "stsb",
+        "--epochs", "2", "--batch_size", "4", "--lr", "1e9", "--out", str(out)]))
+
+    def refuse(constant):
+        raise ValueError(f"glue.json holds {constant}")
+    saved = json.loads((out / "glue.json").read_text(), parse_constant=refuse)
+    assert saved["tasks"]["stsb"]["runs"]["seed 1"]["history"][-1]["train_loss"] is None  # NaN, written as null
