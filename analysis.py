@@ -499,12 +499,15 @@ def random_sentence_pairs(enc, num_pairs, seed=0):
 # run_analysis: every statistic for every model, then the plots
 
 
-def _labels(paths):
-    """Legend names: the run directory's name, or more of the path where names collide."""
+def _labels(paths, given=None):
+    """Legend names: the run directory's name, or more of the path where names collide, or the path given (given:
+    the files, where paths are their directories) where two share a directory: a run dir and its ckpt.pt, two logs
+    in one folder. The labels key the results, so two equal labels kept one of the two runs."""
     dirs = [os.path.normpath(p if os.path.isdir(p) or not os.path.basename(p).endswith(".pt") else os.path.dirname(p))
             for p in paths]
     names = [os.path.basename(d) for d in dirs]
-    return [d if names.count(n) > 1 else n for d, n in zip(dirs, names)]
+    labels = [d if names.count(n) > 1 else n for d, n in zip(dirs, names)]
+    return [os.path.normpath(g) if labels.count(l) > 1 else l for l, g in zip(labels, given or paths)]
 
 
 def _mean(values):
@@ -924,7 +927,8 @@ def plot_logs(paths, out):
     if os.path.isfile(table_path) and not open(table_path, errors="replace").readline().startswith("| run | step |"):
         raise ValueError(f"{table_path} exists and is not a table that --plot_log wrote: it would be overwritten; "
                          f"choose another --out")
-    logs = {label: read_log(p) for label, p in zip(_labels([os.path.dirname(os.path.abspath(p)) for p in paths]), paths)}
+    labels = _labels([os.path.dirname(os.path.abspath(p)) for p in paths], paths)
+    logs = {label: read_log(p) for label, p in zip(labels, paths)}
     keys = []
     for log in logs.values():
         keys += [k for k in log if k not in keys]

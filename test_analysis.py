@@ -547,6 +547,19 @@ def test_plot_logs(tmp_path):
         A.read_log(str(tmp_path / "binary.jsonl"))
 
 
+def test_runs_sharing_a_directory_keep_their_own_labels(tmp_path):
+    # found by a fuzz of eval.py's flags: two logs in one folder (or a run dir and its ckpt.pt) got one label, and the
+    # legend, the table and analysis.json kept one of the two runs without a word
+    a = write_log(tmp_path / "logs" / "mlm.jsonl", 0)
+    b = write_log(tmp_path / "logs" / "taco.jsonl", 1)
+    A.plot_logs([a, b], str(tmp_path / "plots"))
+    rows = (tmp_path / "plots" / "training_curves.md").read_text().splitlines()[2:]
+    assert [row.split(" | ")[0] for row in rows] == [f"| {a}", f"| {b}"]
+    run = tmp_path / "out" / "mlm"
+    run.mkdir(parents=True)
+    assert A._labels([str(run), str(run / "ckpt.pt")]) == [str(run), str(run / "ckpt.pt")]
+
+
 @pytest.mark.slow
 def test_cli_plot_log_and_analysis(tok, tmp_path):
     a = write_log(tmp_path / "mlm" / "log.jsonl", 0)
