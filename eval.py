@@ -406,9 +406,10 @@ def validate_args(args):
     if args.glue_dir is not None and not os.path.isdir(args.glue_dir):
         raise ValueError(f"--glue_dir {args.glue_dir}: not a directory (the folder holding CoLA/, SST-2/, ...)")
     if args.out is not None:
-        png = args.plot_log and not args.analysis and args.out.lower().endswith(".png")  # plot_logs takes a file
-        if png and args.model:
-            raise ValueError(f"--out {args.out}: GLUE (--model without --analysis) writes into a directory; "
+        png = args.plot_log and args.out.lower().endswith(".png")  # plot_logs takes a file
+        if png and (args.model or args.analysis):  # the plot was written, then --analysis refused the file as --out
+            what = "--analysis" if args.analysis else "GLUE (--model without --analysis)"
+            raise ValueError(f"--out {args.out}: {what} writes into a directory; "
                              f"plot into it (--out DIR) or run --plot_log alone")
         if args.plot_log and os.path.splitext(args.out)[1].lower() in (".pdf", ".svg", ".jpg", ".jpeg"):
             raise ValueError(f"--out {args.out}: --plot_log writes a .png (name one, or a directory)")

@@ -577,6 +577,8 @@ BAD_FLAGS = [  # (flags, what the error line must name)
     (["--out", "{tmp}/a_file"], "--out"), (["--out", "{tmp}/a_file/sub"], "--out {tmp}/a_file/sub: cannot be created"),
     (["--plot_log", "{tmp}"], "--plot_log"),
     (["--plot_log", "{tmp}/a_file", "--out", "{tmp}/curves.png"], "GLUE (--model without --analysis) writes into a dir"),
+    # the curves were plotted into curves.png, then --analysis refused that file as its directory (a fuzz found it)
+    (["--plot_log", "{tmp}/a_file", "--analysis", "--out", "{tmp}/curves.png"], "--analysis writes into a directory"),
     (["--plot_log", "{tmp}/missing.jsonl"], "--plot_log"), (["--text", "{tmp}/missing.txt", "--analysis"], "--text"),
     (["--text", "", "--analysis"], "--text : no such file"),  # was: the run's own text, silently
 ]
