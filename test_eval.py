@@ -584,6 +584,12 @@ BAD_FLAGS = [  # (flags, what the error line must name)
 ]
 
 
+def test_tasks_all_in_a_list():
+    # found by a fuzz of eval.py's flags: --tasks all,rte was "unknown task 'all' (choose from all, ...)"
+    assert [t.name for t in ev.parse_tasks("all,RTE")] == list(glue_tasks.TASKS)
+    assert [t.name for t in ev.parse_tasks("rte, SST-2,rte")] == ["rte", "sst2"]  # case, dashes, repeats
+
+
 @pytest.mark.parametrize("flags,named", BAD_FLAGS, ids=[" ".join(f) for f, _ in BAD_FLAGS])
 def test_bad_flags(flags, named, tmp_path, tiny_model_dir, capsys):
     (tmp_path / "a_file").write_text("keep me")
