@@ -427,7 +427,9 @@ def main(argv=None):
     p.add_argument("--json", default="", help="write the results here")
     args = p.parse_args(argv)
 
-    objectives = list(LOSSES) if args.objectives == "all" else args.objectives.split(",")
+    # "all" anywhere in the list is every objective: "all,mlm" was refused as "unknown objective 'all' (choose
+    # from ..., or all)"
+    objectives = list(LOSSES) if "all" in args.objectives.split(",") else args.objectives.split(",")
     sizes = args.model_size.split(",")
     for objective in objectives:
         if objective not in LOSSES:
@@ -435,16 +437,29 @@ def main(argv=None):
     for size in sizes:
         if size not in MODEL_PRESETS:
             p.error(f"unknown model size {size!r} (choose from {', '.join(MODEL_PRESETS)})")
+    for flag, names in (("objectives", objectives), ("model_size", sizes)):  # a name twice was timed twice, and
+        twice = [n for n in names if names.count(n) > 1]  # under --interleave its second row failed with KeyError
+        if twice:
+            p.error(f"--{flag} {getattr(args, flag)}: {twice[0]} is named twice")
     runs = list(LOSSES) + list(HF_RUNS) + list(ABLATIONS)
-    profiled = runs if args.profile_objectives == "all" else args.profile_objectives.split(",")
+    profiled = runs if "all" in args.profile_objectives.split(",") else args.profile_objectives.split(",")
     for name in profiled:
         if name not in runs:
             p.error(f"--profile_objectives: unknown run {name!r} (choose from {', '.join(runs)}, or all)")
+    # a run this call does not time was profiled by none, silently, exit 0 (e.g. --objectives mlm
+    # --profile_objectives taco); without --profile the flag did nothing
+    timed = objectives + ["hf-mlm"] * args.hf + ["hf-masked"] * args.hf_masked + list(ABLATIONS) * args.ablate
+    if args.profile_objectives != "all" and not args.profile:
+        p.error("--profile_objectives goes with --profile")
+    untimed = [n for n in profiled if n not in timed] if args.profile and profiled is not runs else []
+    if untimed:
+        p.error(f"--profile_objectives {untimed[0]}: not a run this call times ({', '.join(timed)})")
     if args.hf_masked and not args.hf:
         p.error("--hf_masked goes with --hf")
     if args.ablate and "mlm" not in objectives:
         p.error("--ablate times our MLM with a feature off against our MLM: add mlm to --objectives")
-    for name in ("batch_size", "seq_len", "steps", "profile_steps", "taco_negatives"):
+    for name in ("batch_size", "seq_len", "steps", "profile_steps", "taco_negatives", "profile_top"):  # top 0 or -3:
+        # an empty table, or all rows but the last 3
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1")
     if args.warmup < 0:
