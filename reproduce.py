@@ -231,6 +231,12 @@ def data_problem(data):
     """Why train.py would refuse a local --data, said before reproduce.json is saved (corpus.py's rule; not
     imported: it loads torch). A name that looks like no path ("wikitext:wikitext-103-raw-v1") is the hub's."""
     path = os.path.expanduser(data)
+    if os.path.isdir(path):  # a folder without corpus files passed here, and train.py refused it at the first run
+        files = [os.path.join(d, f) for d, _, names in os.walk(path) for f in sorted(names) if os.path.splitext(
+            re.sub(r"\.(xz|gz|bz2|zst)$", "", f.lower()))[1] in (".txt", ".raw", ".jsonl", ".parquet")]
+        empty = [f for f in files if not os.path.getsize(f)]
+        return "no .txt/.raw/.jsonl/.parquet files (optionally .xz/.gz) in it" if not files else \
+            f"{empty[0]} is an empty file" if empty else None
     if os.path.exists(path):
         return "an empty file" if os.path.isfile(path) and not os.path.getsize(path) else None
     if any(c in data for c in "*?["):
@@ -896,8 +902,6 @@ def parse(argv):
         p.error(f"--glue_dir {args.glue_dir}: not a directory")
     only = [o.strip() for o in args.only.split(",") if o.strip()]
     report_only = [o for o in only if o in STAGES] == ["report"]  # its settings are reproduce.json's (check_settings)
-    if args.data and data_problem(args.data) and not report_only:
-        p.error(f"--data {args.data}: {data_problem(args.data)}")
     if not args.out_dir.strip() or os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
         p.error(f"--out_dir {args.out_dir!r}: must name a directory")
     args.cache_dir = args.cache_dir or os.path.join(args.out_dir, "cache")
@@ -907,6 +911,8 @@ def parse(argv):
         rel = os.path.relpath(os.path.realpath(getattr(args, name)), os.path.realpath(os.path.expanduser(args.data)))
         if rel.split(os.sep)[0] != "..":  # train.py refuses it too (config.reads_into), but only at the first run
             p.error(f"--{name} {getattr(args, name)}: inside --data {args.data}, whose files would be read as corpus")
+    if args.data and data_problem(args.data) and not report_only:
+        p.error(f"--data {args.data}: {data_problem(args.data)}")
     if not 0 <= args.seed < 2 ** 64:  # train.py's --seed range, asked before any run starts
         p.error(f"--seed {args.seed}: must be an integer in [0, 2**64)")
     if args.tokenizer and not os.path.exists(args.tokenizer):

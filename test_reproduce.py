@@ -835,7 +835,9 @@ def test_data_check_follows_data_py(tmp_path, monkeypatch):
     (tmp_path / "a.txt").write_text("some text\n")
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "empty.txt").write_text("")
-    for value in ("a.txt", "sub/empty.txt", "*.txt", "sub/*.txt", "*.nope", "./missing.txt", "sub/missing.txt.xz",
+    (tmp_path / "configs").mkdir()  # a folder with no corpus file: train.py refused it, reproduce.py did not
+    (tmp_path / "configs" / "a.json").write_text("{}")
+    for value in ("a.txt", "sub/empty.txt", "sub", "configs", "*.txt", "sub/*.txt", "*.nope", "./missing.txt", "sub/missing.txt.xz",
                   "missing.raw", str(tmp_path / "missing"), "wikitext:wikitext-103-raw-v1", "user/corpus"):
         try:
             corpus.resolve_files(value)
