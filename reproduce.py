@@ -943,6 +943,11 @@ def parse(argv):
     args.stages = [s for s in only if s in STAGES] or STAGES
     args.selected = [r for r in args.runs if r in only] or args.runs
     args.glue_recipes = [r for r in args.recipes.split(",") if r in only] or args.recipes.split(",")
+    # --only pretrain,tacl (tacl is continued, not pretrained), or --only continue without tacl, ran nothing, exit 0
+    if all(s in ("pretrain", "continue") and all((r in SCRATCH) != (s == "pretrain") for r in args.selected)
+           for s in args.stages):
+        p.error(f"--only {args.only}: nothing to do ({', '.join(args.stages)} of {', '.join(args.selected)}): "
+                f"pretrain makes {', '.join(SCRATCH)}, continue makes {', '.join(CONTINUED)} (--objectives tacl)")
     return args
 
 

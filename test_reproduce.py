@@ -171,7 +171,10 @@ def test_bad_input_is_refused_before_any_work(tmp_path):
                          (["--cache_dir", __file__], "a file, not a directory"),
                          # an empty value (a script's unset variable) was the scale's default, silently
                          (["--tasks", ""], "unknown GLUE task ''"), (["--seeds", ""], "--seeds"),
-                         (["--recipes", ""], "unknown GLUE recipe ''")):
+                         (["--recipes", ""], "unknown GLUE recipe ''"),
+                         # stages of no selected run: exit 0 having done nothing (found by a fuzz of the flags)
+                         (["--only", "pretrain,tacl"], "nothing to do"),
+                         (["--objectives", "mlm", "--only", "continue"], "nothing to do")):
         assert needle in reproduce_error([*argv, "--out_dir", str(out)], tmp_path)
     assert not (out / "mlm").exists()
     (tmp_path / "file").write_text("x")
