@@ -481,8 +481,10 @@ def stage_commands(chunk, args, work):
         base += ["--scale", "mini", "--steps", str(args.steps or STEPS), "--extra_steps",
                  str(args.extra_steps or EXTRA_STEPS)]
         base += ["--glue_train_rows", str(args.glue_train_rows or glue_rows(chunk))]
-        if args.tokenizer:
-            base += ["--tokenizer", args.tokenizer]
+    if args.toy and args.glue_train_rows:  # given, not dropped (the toy scale's 64 is reproduce.py's default)
+        base += ["--glue_train_rows", str(args.glue_train_rows)]
+    if args.tokenizer:  # --toy: only when given
+        base += ["--tokenizer", args.tokenizer]
     if args.data:
         base += ["--data", args.data]
     if args.glue_dir:
@@ -927,6 +929,11 @@ def main(argv=None):
         p.error(f"--budget {args.budget}: must be a number of seconds > 0")
     if args.command == "run" and args.glue_dir and not os.path.isdir(args.glue_dir):
         p.error(f"--glue_dir {args.glue_dir}: not a directory")
+    # a missing --data or --tokenizer passed here: the wheels and the CUDA check ran, then every stage failed
+    if args.command == "run" and args.chunk != "speed" and args.data and reproduce.data_problem(args.data):
+        p.error(f"--data {args.data}: {reproduce.data_problem(args.data)}")
+    if args.command == "run" and args.chunk != "speed" and args.tokenizer and not os.path.exists(args.tokenizer):
+        p.error(f"--tokenizer {args.tokenizer}: no such file or directory")
     for flag in ("steps", "extra_steps", "glue_train_rows") if args.command == "run" else ():
         if getattr(args, flag) is not None and getattr(args, flag) < 1:  # 0 ran the default; < 0 failed on the device
             p.error(f"--{flag} {getattr(args, flag)}: must be >= 1")

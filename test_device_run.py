@@ -389,7 +389,10 @@ def test_run_flags_that_reproduce_py_would_refuse_are_refused_before_the_run(tmp
     monkeypatch.setattr(device_run, "run", lambda args: pytest.fail(f"ran with {args}"))
     for argv, needle in ((["--steps", "0"], "--steps 0: must be >= 1"), (["--extra_steps", "-5"], "--extra_steps -5"),
                          (["--glue_train_rows", "0"], "--glue_train_rows 0"),
-                         (["--recipes", "paper,best"], "unknown GLUE recipe 'best'"), (["--recipes", ","], "unknown GLUE recipe ''")):
+                         (["--recipes", "paper,best"], "unknown GLUE recipe 'best'"), (["--recipes", ","], "unknown GLUE recipe ''"),
+                         # were: the wheels and the CUDA check, then every stage failed (found by a fuzz of the flags)
+                         (["--data", str(tmp_path / "nowhere.txt")], "--data"),
+                         (["--tokenizer", str(tmp_path / "nowhere")], "--tokenizer")):
         with pytest.raises(SystemExit) as stop:
             device_run.main(["run", "mlm-taco", "--out", str(tmp_path / "out"), *argv])
         err = capsys.readouterr().err
@@ -714,6 +717,21 @@ def test_each_chunks_stages_are_reproduce_calls_at_mini_scale_in_their_order(tmp
     assert [(a.stages, a.selected) for a in by_name.values()] == [
         (["pretrain"], ["mlm"]), (["continue"], ["mlm", "tacl", "mlm_cont"]),
         (["analysis"], ["mlm", "tacl", "mlm_cont"]), (["glue"], ["tacl", "mlm_cont"]), (["glue"], ["mlm"])]
+
+
+
+def test_toy_chunks_pass_the_glue_rows_and_tokenizer_they_are_given(tmp_path):
+    # was: --toy dropped --glue_train_rows and --tokenizer from reproduce.py's calls, silently (found by a fuzz)
+    (tmp_path / "glue").mkdir()
+    (tmp_path / "tok").mkdir()
+    args = reproduce.argparse.Namespace(toy=True, steps=None, extra_steps=None, recipes="paper", glue_train_rows=7,
+                                        tokenizer=str(tmp_path / "tok"), data="", glue_dir=str(tmp_path / "glue"))
+    for name, argv, _ in device_run.stage_commands("tacl", args, str(tmp_path / "work")):
+        parsed = reproduce.parse(argv[2:])
+        assert (parsed.scale, parsed.glue_train_rows, parsed.tokenizer) == ("toy", 7, args.tokenizer), name
+    args.glue_train_rows, args.tokenizer = None, ""  # not given: the toy scale's 64, a tokenizer trained on --data
+    assert {reproduce.parse(argv[2:]).glue_train_rows for _, argv, _ in device_run.stage_commands("tacl", args, "w")} \
+        == {64}
 
 
 # ---------------------------------------------------------------------------------------------
