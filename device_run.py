@@ -721,10 +721,19 @@ def merge(args):
                     pass
             with tarfile.open(archive) as tar:
                 chunks = {m.name.split("/")[0] for m in tar.getmembers()}  # a truncated one fails here
+                if len(chunks) != 1 or next(iter(chunks)) not in CHUNKS:
+                    sys.exit(f"error: {archive}: not an archive of device_run.py (its top folders: {sorted(chunks)[:3]})")
+                # was: one without it replaced the merged chunk, then merge said "missing or damaged" of its chunk.json
+                record = f"{next(iter(chunks))}/chunk.json"
+                member = tar.getmember(record) if record in tar.getnames() else None
+                try:
+                    readable = member.isfile() and isinstance(json.load(tar.extractfile(member)), dict)
+                except (AttributeError, ValueError):  # none, or not JSON
+                    readable = False
+                if not readable:
+                    sys.exit(f"error: {archive}: its {record} is missing or not a JSON object: not merged")
         except (OSError, EOFError, tarfile.TarError) as e:
             sys.exit(f"error: {archive}: not a readable archive ({first_line(e)})")
-        if len(chunks) != 1 or next(iter(chunks)) not in CHUNKS:
-            sys.exit(f"error: {archive}: not an archive of device_run.py (its top folders: {sorted(chunks)[:3]})")
     if args.archives:  # none: merge re-reads what --into holds, and makes no folder
         os.makedirs(into, exist_ok=True)
     for archive in args.archives:

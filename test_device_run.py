@@ -352,6 +352,8 @@ def test_bad_archives_and_folders_are_one_error_line_and_merge_nothing(tmp_path,
                          (["merge", str(tmp_path / "truncated.tar.gz")], "not a readable archive"),
                          (["merge", str(tmp_path / "damaged.tar.gz")], "not a readable archive"),
                          (["merge", str(tmp_path / "foreign.tar.gz")], "not an archive of device_run.py"),
+                         # was: merged over the chunk's earlier folder, then refused (found by a fuzz of merge)
+                         (["merge", str(tmp_path / "whole.tar.gz")], "mlm-taco/chunk.json is missing"),
                          (["merge", str(tmp_path / "whole.tar.gz"), "--into", str(tmp_path / "FILE")], "not a folder"),
                          (["run", "mlm-taco", "--toy", "--out", str(tmp_path / "FILE")], "not a folder"),
                          (["merge"], "no chunk in")]:  # no archive, nothing merged before
