@@ -40,6 +40,7 @@ import datetime
 import gzip
 import hashlib
 import json
+import lzma
 import math
 import os
 import platform
@@ -261,6 +262,14 @@ def prepare(args):
     if missing:
         sys.exit(f"error: --shared {args.shared}: no {missing[0]}")
     shards = [p for p in shards if os.path.isfile(p)]
+    for p in shards:  # read to the end before any copy: a cut or empty shard was copied over the checkout's
+        try:  # earlier one, then the tokenizer's training failed with a traceback
+            with lzma.open(p) as f:
+                text_bytes = sum(len(block) for block in iter(lambda: f.read(1 << 24), b""))
+            if not text_bytes:
+                raise EOFError("no text in it")
+        except (lzma.LZMAError, EOFError, OSError) as e:
+            sys.exit(f"error: --shared {args.shared}: {p} is not a readable .xz ({first_line(e)})")
     # the tree once copied: what is there now, less the copies this call rewrites (and the tokenizer, which it may
     # train again: counted as 2 MiB, the trained one in its place), plus what it copies
     carried = [DATA_DIR]

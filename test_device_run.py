@@ -177,6 +177,25 @@ def test_prepare_copies_what_travels_and_drops_ab_when_it_does_not_fit(tmp_path,
         device_run.main(argv)
 
 
+def test_prepare_refuses_a_cut_or_empty_shard_before_copying_it(tmp_path):
+    # was: the shard was copied over the checkout's good one, then the tokenizer's training failed with a
+    # traceback (found by a fuzz of prepare's inputs)
+    repo, shared = tmp_path / "repo", tmp_path / "shared"
+    git_repo(repo)
+    fake_shared(shared, 2000)
+    argv = ["prepare", "--shared", str(shared), "--root", str(repo), "--vocab_size", "200"]
+    assert device_run.main(argv) == 0
+    copy = repo / device_run.DATA_DIR / "corpus" / "AA.txt.xz"
+    good = copy.read_bytes()
+    shard = shared / device_run.CORPUS / "AA.txt.xz"
+    for cut in (good[:100], b"", lzma.compress(b"")):
+        shard.write_bytes(cut)
+        with pytest.raises(SystemExit) as stop:
+            device_run.main(argv)
+        assert str(stop.value.code).startswith(f"error: --shared {shared}: {shard} is not a readable .xz")
+        assert copy.read_bytes() == good  # the earlier copy stays
+
+
 def test_prepare_again_on_the_same_data_keeps_ab_and_the_tokenizer(tmp_path, monkeypatch, capsys):
     # the first prepare counts the tokenizer it is about to train as 2 MiB; a second one must count the trained
     # one in its place, not both: else a tree that fitted with AB loses AB on the rerun (and the corpus, the
