@@ -40,6 +40,8 @@ import sys
 import time
 import uuid
 
+import corpus  # standard library only at import: this file runs before the wheels are installed
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 STAGES = ["pretrain", "continue", "glue", "analysis", "report"]
 SCRATCH = ["mlm", "taco", "cocolm", "electra"]  # pretrained from scratch
@@ -228,24 +230,13 @@ def glue_absent(glue_dir, task):
 
 
 def data_problem(data):
-    """Why train.py would refuse a local --data, said before reproduce.json is saved (corpus.py's rule; not
-    imported: it loads torch). A name that looks like no path ("wikitext:wikitext-103-raw-v1") is the hub's."""
-    path = os.path.expanduser(data)
-    if os.path.isdir(path):  # a folder without corpus files passed here, and train.py refused it at the first run
-        files = [os.path.join(d, f) for d, _, names in os.walk(path) for f in sorted(names) if os.path.splitext(
-            re.sub(r"\.(xz|gz|bz2|zst)$", "", f.lower()))[1] in (".txt", ".raw", ".jsonl", ".parquet")]
-        empty = [f for f in files if not os.path.getsize(f)]
-        return "no .txt/.raw/.jsonl/.parquet files (optionally .xz/.gz) in it" if not files else \
-            f"{empty[0]} is an empty file" if empty else None
-    if os.path.exists(path):
-        return "an empty file" if os.path.isfile(path) and not os.path.getsize(path) else None
-    if any(c in data for c in "*?["):
-        files = [f for f in glob.glob(path, recursive=True) if os.path.isfile(f)]
-        empty = [f for f in files if not os.path.getsize(f)]
-        return "no files match it" if not files else f"{empty[0]} is an empty file" if empty else None
-    ext = os.path.splitext(re.sub(r"\.(xz|gz|bz2|zst)$", "", data.lower()))[1]
-    local = data.startswith(("/", ".", "~")) or ext in (".txt", ".raw", ".jsonl", ".parquet")
-    return "no such file or directory" if local else None
+    """Why train.py would refuse a local --data, said before reproduce.json is saved (corpus.resolve_files: the
+    standard library only at import), or None: a usable path, or a hub name ("wikitext:wikitext-103-raw-v1")."""
+    try:
+        corpus.resolve_files(data)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -912,7 +903,7 @@ def parse(argv):
         if rel.split(os.sep)[0] != "..":  # train.py refuses it too (config.reads_into), but only at the first run
             p.error(f"--{name} {getattr(args, name)}: inside --data {args.data}, whose files would be read as corpus")
     if args.data and data_problem(args.data) and not report_only:
-        p.error(f"--data {args.data}: {data_problem(args.data)}")
+        p.error(f"--data: {data_problem(args.data)}")  # it names the path
     if not 0 <= args.seed < 2 ** 64:  # train.py's --seed range, asked before any run starts
         p.error(f"--seed {args.seed}: must be an integer in [0, 2**64)")
     if args.tokenizer and not os.path.exists(args.tokenizer):

@@ -650,10 +650,10 @@ def test_settings_are_normalised_and_may_change_until_a_run_has_saved(tmp_path):
     assert json.loads((out / "reproduce.json").read_text())["seeds"] == "1,2"
     # a mistyped --data is refused before anything is saved...
     settings = (out / "reproduce.json").read_text()
-    assert "no such file or directory" in reproduce_error(["--out_dir", str(out), "--data", "./nowhere.txt"], tmp_path)
+    assert "data path not found: ./nowhere.txt" in reproduce_error(["--out_dir", str(out), "--data", "./nowhere.txt"], tmp_path)
     (tmp_path / "empty.txt").write_text("")
     line = reproduce_error(["--out_dir", str(out), "--data", str(tmp_path / "empty.txt")], tmp_path)
-    assert "an empty file" in line
+    assert "empty data file: " in line
     assert (out / "reproduce.json").read_text() == settings
     # ...and a --data that only train.py can refuse (a mistyped hub name) locks nothing: no run has saved yet,
     # so the next call's settings replace it
@@ -831,23 +831,22 @@ def test_claims_table_marks_only_differences_the_seeds_separate():
     assert reproduce.claim_cell([1, 2], [3, 4]) == "-2.0 <"
 
 
-def test_data_check_follows_data_py(tmp_path, monkeypatch):
-    # reproduce.py checks --data without importing data.py (torch): the same verdict on each kind of input
-    import corpus
+def test_data_is_checked_before_anything_is_saved(tmp_path, monkeypatch):
+    # reproduce.py refuses what train.py would (corpus.resolve_files) before reproduce.json and the first run
     monkeypatch.chdir(tmp_path)
     (tmp_path / "a.txt").write_text("some text\n")
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "empty.txt").write_text("")
     (tmp_path / "configs").mkdir()  # a folder with no corpus file: train.py refused it, reproduce.py did not
     (tmp_path / "configs" / "a.json").write_text("{}")
-    for value in ("a.txt", "sub/empty.txt", "sub", "configs", "*.txt", "sub/*.txt", "*.nope", "./missing.txt", "sub/missing.txt.xz",
-                  "missing.raw", str(tmp_path / "missing"), "wikitext:wikitext-103-raw-v1", "user/corpus"):
-        try:
-            corpus.resolve_files(value)
-            refused = False
-        except ValueError:
-            refused = True
-        assert (reproduce.data_problem(value) is not None) == refused, value
+    for value in ("sub/empty.txt", "sub", "configs", "*.nope", "./missing.txt", "sub/missing.txt.xz", "missing.raw",
+                  str(tmp_path / "missing")):
+        assert reproduce.data_problem(value), value
+    for value in ("a.txt", "*.txt", "wikitext:wikitext-103-raw-v1", "user/corpus"):
+        assert reproduce.data_problem(value) is None, value
+    assert "no .txt/.raw/.jsonl/.parquet files" in reproduce.data_problem("configs")
+    assert subprocess.run([sys.executable, "-c", "import sys, reproduce; sys.exit('torch' in sys.modules)"],
+                          cwd=HERE).returncode == 0  # it runs before device_run.py installs the wheels
 
 
 def test_nproc_per_node_is_checked_with_train_pys_own_batch_rule():
