@@ -5,7 +5,8 @@ pieces only when its token cache (token_files.py) misses, and any list of string
 
 What it reads: a `datasets` hub name ("wikitext:wikitext-103-raw-v1" = load_dataset("wikitext",
 "wikitext-103-raw-v1")) or a local file / directory / glob of .txt .raw .jsonl .parquet, optionally
-.xz/.gz compressed (datasets 5 decompresses them on the fly). A document starts at each file, each
+.xz/.gz compressed (datasets 5 decompresses them on the fly); a directory's hidden files and folders
+(.name) are skipped. A document starts at each file, each
 jsonl/parquet row, each WikiExtractor `<doc ...>` line (the <doc>/</doc> lines themselves are dropped)
 and each WikiText top-level heading ` = Title = ` (after a blank row, in a file that has them). Blank lines
 are dropped.
@@ -72,7 +73,9 @@ def resolve_files(data):
         if not files:
             raise ValueError(f"no files match {data}")
     elif path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and _builder(p))
+        # hidden files and folders (.ipynb_checkpoints/, macOS ._a.txt) are skipped, as a glob's * skips them
+        files = sorted(p for p in path.rglob("*") if p.is_file() and _builder(p)
+                       and not any(part.startswith(".") for part in p.relative_to(path).parts))
         if not files:
             raise ValueError(f"no .txt/.raw/.jsonl/.parquet files (optionally .xz/.gz) in {data}")
     elif path.is_file():

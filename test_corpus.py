@@ -114,6 +114,16 @@ def test_a_directory_or_glob_gives_its_files_in_sorted_order(tmp_path):
     assert corpus.resolve_files(str(tmp_path / "s*" / "*")) == [tmp_path / "sub/a.jsonl", tmp_path / "sub/c.txt.xz"]
 
 
+def test_a_directory_skips_hidden_files_and_folders(tmp_path):
+    # a notebook's .ipynb_checkpoints/ copy would be read twice, macOS's ._a.txt (binary) refused as "not UTF-8"
+    (tmp_path / ".ipynb_checkpoints").mkdir()
+    for name in ["a.txt", "._a.txt", ".ipynb_checkpoints/a-checkpoint.txt"]:
+        (tmp_path / name).write_text("some words\n")
+    assert corpus.resolve_files(str(tmp_path)) == [tmp_path / "a.txt"]
+    assert corpus.resolve_files(str(tmp_path / "**" / "*.txt")) == [tmp_path / "a.txt"]  # as a glob does
+    assert corpus.resolve_files(str(tmp_path / "._a.txt")) == [tmp_path / "._a.txt"]  # named, it is read
+
+
 def test_brackets_in_a_path_are_not_a_pattern(tmp_path, monkeypatch):
     import config
     home = tmp_path / "runs [v2]"  # a working directory whose name glob would read as a character class
