@@ -129,11 +129,13 @@ def _plain_path(f, hf_cache):
 def _load_local(datasets, builder, split_files, hf_cache):
     """load_dataset for local files; a file it cannot read is one ValueError naming that file."""
     escaped = {name: _plain_path(f, hf_cache) for name, f in split_files.items()}
+    # a BOM dropped, as read_text does: kept, it hid a WikiExtractor file's first <doc ...> line from pieces
+    options = dict(encoding="utf-8-sig") if builder == "text" else {}
     try:
         # read afresh: datasets keys its Arrow copy on path and mtime only, and this runs only when our cache
         # missed, so a file replaced under the same mtime would otherwise come back as its old text
         return datasets.load_dataset(builder, data_files=escaped, cache_dir=hf_cache, download_mode="force_redownload",
-                                     verification_mode="no_checks")  # its split sizes are the old copy's
+                                     verification_mode="no_checks", **options)  # its split sizes are the old copy's
     except Exception as e:
         chain = [e]
         while len(chain) < 8 and (chain[-1].__cause__ or chain[-1].__context__):  # datasets wraps what it hit
@@ -145,7 +147,7 @@ def _load_local(datasets, builder, split_files, hf_cache):
         if len(split_files) > 1:  # find the file to blame, one at a time (error path only)
             for name, f in split_files.items():
                 try:
-                    datasets.load_dataset(builder, data_files={name: escaped[name]}, cache_dir=hf_cache)
+                    datasets.load_dataset(builder, data_files={name: escaped[name]}, cache_dir=hf_cache, **options)
                 except Exception as e_file:
                     culprit, problem = f, _read_problem(e_file)
                     break

@@ -42,6 +42,14 @@ def test_wikiextractor_markers_and_formats(tok_dir, tmp_path):
         assert np.array_equal(_stream(tok_dir, tmp_path / name, tmp_path)[1], stream), name
 
 
+def test_a_byte_order_mark_hides_no_doc_line(tok_dir, tmp_path):
+    # Windows editors start UTF-8 files with a BOM: the first <doc ...> line is still a marker, not text
+    (tmp_path / "a.txt").write_bytes(b"\xef\xbb\xbf" + _wikiextractor_text().encode())
+    tok, stream = _stream(tok_dir, tmp_path / "a.txt", tmp_path)
+    assert (stream == data.special_token_ids(tok)["sep"]).sum() == len(TITLES) - 1
+    assert "curid" not in tok.decode(stream.tolist())
+
+
 def test_directory_glob_and_wikitext_headings(tok_dir, tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
