@@ -340,7 +340,7 @@ def load_sentences(documents, num_sentences, seed=0, min_words=5):
 
 
 def read_lines(path):
-    """Lines of a UTF-8 text file, .xz-compressed or not (CRLF or LF)."""
+    """Lines of a UTF-8 text file, compressed (.xz .gz .bz2) or not (CRLF or LF)."""
     return read_text(path).splitlines()
 
 

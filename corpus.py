@@ -22,8 +22,10 @@ What it guarantees:
 Tests that hold it to this: test_corpus.py (each format and marker, bad paths, unreadable files, brackets
 in paths, the offline hub, read_text of a broken .xz) and test_data.py's test_sample_corpus (WikiText headings).
 """
+import bz2
 import errno
 import glob
+import gzip
 import hashlib
 import logging
 import lzma
@@ -90,13 +92,17 @@ def resolve_files(data):
     return files
 
 def read_text(path):
-    """A UTF-8 text file (.xz too; a BOM dropped) as one str; bytes that are not UTF-8 are one
-    ValueError naming the file and line (eval.py's GLUE TSVs, analysis.py's --text)."""
+    """A UTF-8 text file (.xz/.gz/.bz2 too, as --data reads them; a BOM dropped) as one str; bytes that are not
+    UTF-8 are one ValueError naming the file and line (eval.py's GLUE TSVs, analysis.py's --text)."""
+    suffix = Path(path).suffix
+    opener = {".xz": lzma.open, ".gz": gzip.open, ".bz2": bz2.open}.get(suffix)
     try:
-        with (lzma.open if str(path).endswith(".xz") else open)(path, "rb") as f:
+        with (opener or open)(path, "rb") as f:
             raw = f.read()
-    except (EOFError, lzma.LZMAError) as e:  # truncated, or not xz at all
-        raise ValueError(f"{path}: not a readable .xz file ({first_line(e)})") from None
+    except (EOFError, OSError, lzma.LZMAError) as e:  # truncated, or not that format at all (gzip, bz2: OSError)
+        if opener is None:
+            raise
+        raise ValueError(f"{path}: not a readable {suffix} file ({first_line(e)})") from None
     try:
         return raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:

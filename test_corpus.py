@@ -1,6 +1,7 @@
 """Tests for corpus.py and token_files.py's cache: each corpus format and document marker, bad paths and
 unreadable files as one clear error, the token cache reused, invalidated and rebuilt when damaged."""
 import builtins
+import bz2
 import gzip
 import json
 import lzma
@@ -438,6 +439,17 @@ def test_a_cached_tokenizer_with_a_damaged_id_is_retrained(tmp_path, capsys):
     assert "vocab.txt disagrees with tokenizer.json): training it again" in capsys.readouterr().out
     assert tok2.get_vocab() == tok.get_vocab() and np.array_equal(train2, train)
     assert len(list((tmp_path / "cache").glob("tokens-*.bin"))) == 1  # none made with the damaged one
+
+
+@pytest.mark.parametrize("suffix, compress", [("xz", lzma.compress), ("gz", gzip.compress), ("bz2", bz2.compress)])
+def test_read_text_reads_what_data_reads(tmp_path, suffix, compress):
+    # eval.py --analysis --text a.txt.gz was refused as "not UTF-8 text ... a binary file", though --data reads it
+    path = tmp_path / f"t.txt.{suffix}"
+    path.write_bytes(compress("a sentence\n".encode()))
+    assert corpus.read_text(path) == "a sentence\n"
+    path.write_bytes(b"plain text, not compressed\n")
+    with pytest.raises(ValueError, match=rf"{path.name}: not a readable \.\w+ file"):
+        corpus.read_text(path)
 
 
 @pytest.mark.parametrize("content", [b"plain text, not xz\n", lzma.compress(b"a sentence\n" * 100)[:-20]])
