@@ -51,6 +51,17 @@ def test_a_byte_order_mark_hides_no_doc_line(tok_dir, tmp_path):
     assert "curid" not in tok.decode(stream.tolist())
 
 
+def test_special_token_spellings_in_the_text_are_text(tok_dir, tmp_path):
+    # a literal "[SEP]" was a document boundary in the stream, a literal "[MASK]" the mask id
+    text = _wikiextractor_text().replace("</doc>", "a [SEP] b [MASK] c [CLS] [PAD] [UNK]\n</doc>")
+    (tmp_path / "a.txt").write_text(text)
+    tok, stream = _stream(tok_dir, tmp_path / "a.txt", tmp_path)
+    ids = data.special_token_ids(tok)
+    assert (stream == ids["sep"]).sum() == len(TITLES) - 1  # the documents' [SEP]s only
+    assert not np.isin(stream, [ids["mask"], ids["cls"], ids["pad"]]).any()
+    assert tok.encode("[MASK]", add_special_tokens=False).ids == [ids["mask"]]  # elsewhere, as Hugging Face's
+
+
 def test_directory_glob_and_wikitext_headings(tok_dir, tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()

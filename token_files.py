@@ -60,7 +60,7 @@ import corpus
 import hf_io
 from corpus import first_line, quiet_hub
 
-FORMAT_VERSION = 1  # bump when the stream layout changes: old caches are then ignored
+FORMAT_VERSION = 2  # bump when the stream layout changes: old caches are then ignored (2: "[SEP]" in text is text)
 CHECKSUM_CHUNKS = 1024  # a token cache over CHECKSUM_CHUNKS x 64 KiB is checksummed on that many samples
 
 
@@ -325,6 +325,9 @@ def tokenize(tok, parts, path, dtype, sep, data):
 
     def write(tmp):
         nonlocal n
+        # "[SEP]" or "[MASK]" written in the text is text, as in BERT's own pretraining data: matched as a special
+        # token it would end a document, or be a [MASK] no loss asks about
+        tok.encode_special_tokens = True
         with open(tmp, "wb") as f:
             for pieces in corpus.pieces(parts, bar):
                 # encode_batch_fast runs on every core and skips the offsets we don't need
@@ -337,7 +340,10 @@ def tokenize(tok, parts, path, dtype, sep, data):
         if n == 0:
             raise ValueError(f"no text in {data}")
     # on disk, then renamed; a bad row or Ctrl-C leaves no partial file (a SIGKILL's: the next making removes it)
-    hf_io.replace_atomic(str(path), write, tmp=f"{path}.tmp{os.getpid()}")
+    try:
+        hf_io.replace_atomic(str(path), write, tmp=f"{path}.tmp{os.getpid()}")
+    finally:
+        tok.encode_special_tokens = False  # the caller's tokenizer as it was
     bar.close()
     # the sidecar comes last: a run killed before this line leaves a .bin that cache_ok rejects
     write_atomic(sidecar(path), json.dumps({"bytes": path.stat().st_size, "checksum": checksum(path)}))
