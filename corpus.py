@@ -80,7 +80,8 @@ def resolve_files(data):
         files = sorted(p for p in path.rglob("*") if p.is_file() and _builder(p)
                        and not any(part.startswith(".") for part in p.relative_to(path).parts))
         if not files:
-            raise ValueError(f"no .txt/.raw/.jsonl/.parquet files (optionally .xz/.gz) in {data}")
+            raise ValueError(f"no .txt/.raw/.jsonl/.parquet files (optionally .xz/.gz) in {data}; a glob names "
+                             f"files of any name (WikiExtractor's: --data '{data.rstrip('/')}/*/wiki_*')")
     elif path.is_file():
         files = [path]
     elif data.startswith(("/", ".", "~")) or _builder(path):

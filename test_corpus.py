@@ -118,7 +118,8 @@ def test_each_bad_path_is_refused_before_loading(tmp_path, monkeypatch):
     (tmp_path / "nocorpus" / "notes.md").write_text("not a corpus suffix")
     for bad, problem in [("missing.txt", "data path not found"), ("./missing", "data path not found"),
                          (str(tmp_path / "missing"), "data path not found"), ("nothing*.txt", "no files match"),
-                         ("nocorpus", "no .txt/.raw/.jsonl/.parquet files"), ("empty.txt", "empty data file")]:
+                         ("nocorpus", "no .txt/.raw/.jsonl/.parquet files"), ("empty.txt", "empty data file"),
+                         ("nocorpus", "a glob names files of any name (WikiExtractor's: --data 'nocorpus/*/wiki_*')")]:
         with pytest.raises(ValueError, match=re.escape(problem)):
             corpus.resolve_files(bad)
     assert corpus.resolve_files("wikimedia/wikipedia:20231101.en") is None  # a hub name
