@@ -6,7 +6,7 @@ pieces only when its token cache (token_files.py) misses, and any list of string
 What it reads: a `datasets` hub name ("wikitext:wikitext-103-raw-v1" = load_dataset("wikitext",
 "wikitext-103-raw-v1")) or a local file / directory / glob of .txt .raw .jsonl .parquet, optionally
 .xz/.gz compressed (datasets 5 decompresses them on the fly); a directory's hidden files and folders
-(.name) are skipped. A document starts at each file, each
+(.name) are skipped and linked folders followed (each real one once). A document starts at each file, each
 jsonl/parquet row, each WikiExtractor `<doc ...>` line (the <doc>/</doc> lines themselves are dropped)
 and each WikiText top-level heading ` = Title = ` (after a blank row, in a file that has them). Blank lines
 are dropped.
@@ -68,6 +68,18 @@ def _builder(path):
         name = name.removesuffix(ext)
     return BUILDERS.get(Path(name).suffix)
 
+def _files_below(path):
+    """The files below a folder: hidden files and folders (.ipynb_checkpoints/, macOS ._a.txt) skipped, as a glob's
+    * skips them; linked folders followed (rglob skipped `AA -> /data/AA` silently), each real folder once."""
+    seen = set()
+    for folder, dirs, names in os.walk(path, followlinks=True):
+        if os.path.realpath(folder) in seen:  # a second link to it, or a loop
+            dirs[:] = []
+            continue
+        seen.add(os.path.realpath(folder))
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))  # sorted: the same link read first each time
+        yield from (Path(folder, n) for n in names if not n.startswith(".") and os.path.isfile(os.path.join(folder, n)))
+
 def resolve_files(data):
     """Local files for `data` in sorted order, or None when `data` is a hub dataset name."""
     path = Path(data).expanduser()
@@ -76,9 +88,7 @@ def resolve_files(data):
         if not files:
             raise ValueError(f"no files match {data}")
     elif path.is_dir():
-        # hidden files and folders (.ipynb_checkpoints/, macOS ._a.txt) are skipped, as a glob's * skips them
-        files = sorted(p for p in path.rglob("*") if p.is_file() and _builder(p)
-                       and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        files = sorted(p for p in _files_below(path) if _builder(p))
         if not files:
             raise ValueError(f"no .txt/.raw/.jsonl/.parquet files (optionally .xz/.gz) in {data}; a glob names "
                              f"files of any name (WikiExtractor's: --data '{data.rstrip('/')}/*/wiki_*')")

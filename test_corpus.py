@@ -145,6 +145,19 @@ def test_a_directory_skips_hidden_files_and_folders(tmp_path):
     assert corpus.resolve_files(str(tmp_path / "._a.txt")) == [tmp_path / "._a.txt"]  # named, it is read
 
 
+def test_a_directory_follows_linked_folders_once(tmp_path):
+    # corpus/AA -> shards/AA was skipped silently (Path.rglob follows no links); a loop or a second link reads once
+    (tmp_path / "shards" / "AA").mkdir(parents=True)
+    (tmp_path / "shards" / "AA" / "a.txt").write_text("some words\n")
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "b.txt").write_text("more words\n")
+    (tmp_path / "corpus" / "AA").symlink_to(tmp_path / "shards" / "AA")
+    (tmp_path / "corpus" / "AA_again").symlink_to(tmp_path / "shards" / "AA")
+    (tmp_path / "corpus" / "loop").symlink_to(tmp_path / "corpus")
+    assert corpus.resolve_files(str(tmp_path / "corpus")) == [tmp_path / "corpus" / "AA" / "a.txt",
+                                                               tmp_path / "corpus" / "b.txt"]
+
+
 def test_brackets_in_a_path_are_not_a_pattern(tmp_path, monkeypatch):
     import config
     home = tmp_path / "runs [v2]"  # a working directory whose name glob would read as a character class
