@@ -31,7 +31,6 @@ import glob
 import json
 import math
 import os
-import re
 import shutil
 import signal
 import socket
