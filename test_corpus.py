@@ -551,12 +551,19 @@ def test_the_corpus_key_sees_each_kind_of_replacement(tmp_path):
     assert key("Z" + base[1:], stamp) != k0  # a head edit, the same size and mtime
 
 
-def test_a_format_version_bump_invalidates_every_cache(tmp_path, monkeypatch):
+def test_a_format_version_bump_invalidates_every_token_file_but_no_trained_tokenizer(tmp_path, monkeypatch):
+    # the stream's format is not the tokenizer's training: a bump that retrained it cost a corpus-sized training
     f = tmp_path / "a.txt"
     f.write_text("some words\n")
+    from tokenizers import Tokenizer, models
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "some": 1}, unk_token="[UNK]"))
     keys = [token_files.corpus_key(str(f), [f]), token_files.corpus_key("wikitext", None)]
+    files = [token_files.tokens_file(tmp_path, k, tok, np.uint16) for k in keys]
     monkeypatch.setattr(token_files, "FORMAT_VERSION", token_files.FORMAT_VERSION + 1)
-    assert token_files.corpus_key(str(f), [f]) != keys[0] and token_files.corpus_key("wikitext", None) != keys[1]
+    assert [token_files.tokens_file(tmp_path, k, tok, np.uint16) for k in keys] != files
+    assert [token_files.corpus_key(str(f), [f]), token_files.corpus_key("wikitext", None)] == keys
+    # the name version 1 gave a trained tokenizer (its corpus key held FORMAT_VERSION 1) is the one looked up now
+    assert keys[1] == token_files._hash([["wikitext"], 1])
 
 
 def test_a_vocabulary_over_65536_pieces_gets_uint32_tokens(tmp_path):

@@ -12,7 +12,8 @@ Files in cache_dir (their names are part of the format: existing caches stay val
 - tokens-<key>.<dtype>.bin, the stream, and its sidecar tokens-<key>.<dtype>.json {"bytes", "checksum"};
   key = the data files (path, size, mtime, first and last 4 KiB) or the hub name, FORMAT_VERSION and the
   tokenizer's JSON;
-- tokenizer-<corpus key>-<vocab_size>/, the tokenizer trained on the corpus when no --tokenizer is given;
+- tokenizer-<corpus key>-<vocab_size>/, the tokenizer trained on the corpus when no --tokenizer is given (a
+  FORMAT_VERSION bump keeps it: it changes the stream, not the training);
 - .NAME.lock, the lock for NAME; NAME.tmpPID, what a writer writes before the rename.
 On 2 cores, enwiki AA.txt.xz (100 MB, 21.3M tokens): 5 s load + 23 s tokenizer training + 35 s
 tokenization. Tokenizers' parallel encode_batch_fast was as fast as datasets.map(num_proc=2) (34 s vs 37 s)
@@ -60,7 +61,8 @@ import corpus
 import hf_io
 from corpus import first_line, quiet_hub
 
-FORMAT_VERSION = 2  # bump when the stream layout changes: old caches are then ignored (2: "[SEP]" in text is text)
+FORMAT_VERSION = 2  # bump when the stream layout changes: old token files are then ignored (2: "[SEP]" in text is text)
+CORPUS_KEY_VERSION = 1  # in the corpus key, so in the trained tokenizer's name: bump only when its training changes
 CHECKSUM_CHUNKS = 1024  # a token cache over CHECKSUM_CHUNKS x 64 KiB is checksummed on that many samples
 
 
@@ -168,7 +170,7 @@ def corpus_key(data, files):
     or the hub name."""
     stats = [data] if files is None else [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns, _ends(f))
                                           for f in files]
-    return _hash([stats, FORMAT_VERSION])
+    return _hash([stats, CORPUS_KEY_VERSION])  # 1: the value FORMAT_VERSION had here, so trained tokenizers stay
 
 def _ends(path, n=1 << 12):
     """sha1 of a file's first and last 4 KiB (8 KiB read a file, at every start): a file replaced under the same
@@ -182,7 +184,7 @@ def tokenizer_dir(cache_dir, corpus_key, vocab_size):
     return Path(cache_dir) / f"tokenizer-{corpus_key}-{vocab_size}"
 
 def tokens_file(cache_dir, corpus_key, tok, dtype):
-    key = _hash([corpus_key, hashlib.sha1(tok.to_str().encode()).hexdigest()])
+    key = _hash([corpus_key, hashlib.sha1(tok.to_str().encode()).hexdigest(), FORMAT_VERSION])
     return Path(cache_dir) / f"tokens-{key}.{np.dtype(dtype).name}.bin"
 
 def sidecar(path):
@@ -340,10 +342,11 @@ def tokenize(tok, parts, path, dtype, sep, data):
         if n == 0:
             raise ValueError(f"no text in {data}")
     # on disk, then renamed; a bad row or Ctrl-C leaves no partial file (a SIGKILL's: the next making removes it)
+    encode_special_tokens = tok.encode_special_tokens
     try:
         hf_io.replace_atomic(str(path), write, tmp=f"{path}.tmp{os.getpid()}")
     finally:
-        tok.encode_special_tokens = False  # the caller's tokenizer as it was
+        tok.encode_special_tokens = encode_special_tokens  # the caller's tokenizer as it was
     bar.close()
     # the sidecar comes last: a run killed before this line leaves a .bin that cache_ok rejects
     write_atomic(sidecar(path), json.dumps({"bytes": path.stat().st_size, "checksum": checksum(path)}))
