@@ -431,8 +431,8 @@ def main(argv=None):
     # from ..., or all)"
     objectives = list(LOSSES) if "all" in args.objectives.split(",") else args.objectives.split(",")
     sizes = args.model_size.split(",")
-    for objective in objectives:
-        if objective not in LOSSES:
+    for objective in args.objectives.split(","):  # the names beside "all" too: "all,mlmm" is a typo
+        if objective not in LOSSES and objective != "all":
             p.error(f"unknown objective {objective!r} (choose from {', '.join(LOSSES)}, or all)")
     for size in sizes:
         if size not in MODEL_PRESETS:
@@ -443,8 +443,8 @@ def main(argv=None):
             p.error(f"--{flag} {getattr(args, flag)}: {twice[0]} is named twice")
     runs = list(LOSSES) + list(HF_RUNS) + list(ABLATIONS)
     profiled = runs if "all" in args.profile_objectives.split(",") else args.profile_objectives.split(",")
-    for name in profiled:
-        if name not in runs:
+    for name in args.profile_objectives.split(","):
+        if name not in runs and name != "all":
             p.error(f"--profile_objectives: unknown run {name!r} (choose from {', '.join(runs)}, or all)")
     # a run this call does not time was profiled by none, silently, exit 0 (e.g. --objectives mlm
     # --profile_objectives taco); without --profile the flag did nothing

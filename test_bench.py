@@ -171,7 +171,9 @@ def test_interleave_times_one_step_of_each_run_in_turn(capsys):
                                   TINY + ["--objectives", "mlm,mlm", "--interleave"], TINY + ["--objectives", "mlm", "--model_size", "tiny,tiny"],
                                   TINY + ["--objectives", "mlm", "--profile", "--profile_objectives", "taco"],
                                   TINY + ["--objectives", "mlm", "--profile_objectives", "mlm"],
-                                  TINY + ["--objectives", "mlm", "--profile", "--profile_top", "0"]])
+                                  TINY + ["--objectives", "mlm", "--profile", "--profile_top", "0"],
+                                  TINY + ["--objectives", "all,mlmm", "--taco_negatives", "4"],
+                                  TINY + ["--profile", "--profile_objectives", "all,tacoo", "--taco_negatives", "4"]])
 def test_bad_flags_give_one_error_line_and_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         bench.main(argv)
