@@ -948,8 +948,9 @@ def main(argv=None):
     if args.command == "run" and args.glue_dir and not os.path.isdir(args.glue_dir):
         p.error(f"--glue_dir {args.glue_dir}: not a directory")
     # a missing --data or --tokenizer passed here: the wheels and the CUDA check ran, then every stage failed
-    if args.command == "run" and args.chunk != "speed" and args.data and reproduce.data_problem(args.data):
-        p.error(f"--data: {reproduce.data_problem(args.data)}")  # it names the path
+    problem = args.command == "run" and args.chunk != "speed" and args.data and reproduce.data_problem(args.data)
+    if problem:
+        p.error(f"--data: {problem}")  # it names the path
     if args.command == "run" and args.chunk != "speed" and args.tokenizer and not os.path.exists(args.tokenizer):
         p.error(f"--tokenizer {args.tokenizer}: no such file or directory")
     for flag in ("steps", "extra_steps", "glue_train_rows") if args.command == "run" else ():

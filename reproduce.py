@@ -901,8 +901,9 @@ def parse(argv):
         rel = os.path.relpath(os.path.realpath(getattr(args, name)), os.path.realpath(os.path.expanduser(args.data)))
         if rel.split(os.sep)[0] != "..":  # train.py refuses it too (config.reads_into), but only at the first run
             p.error(f"--{name} {getattr(args, name)}: inside --data {args.data}, whose files would be read as corpus")
-    if args.data and data_problem(args.data) and not report_only:
-        p.error(f"--data: {data_problem(args.data)}")  # it names the path
+    problem = data_problem(args.data) if args.data and not report_only else None  # walks a folder: once
+    if problem:
+        p.error(f"--data: {problem}")  # it names the path
     if not 0 <= args.seed < 2 ** 64:  # train.py's --seed range, asked before any run starts
         p.error(f"--seed {args.seed}: must be an integer in [0, 2**64)")
     if args.tokenizer and not os.path.exists(args.tokenizer):
