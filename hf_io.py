@@ -141,14 +141,17 @@ def load_hf_state_dict(model, state, source="checkpoint"):
         missing = [t for t in theirs if t not in state]
         if missing:
             raise ValueError(f"{source}: missing weight {missing[0]} (not a BERT checkpoint of this shape?)")
-        tensor = torch.cat([state[t] for t in theirs]) if len(theirs) > 1 else state[theirs[0]]
         target = own[ours]
-        if not tensor.is_floating_point():  # copy_ would cast integers silently
-            raise ValueError(f"{source}: {theirs[0]} holds {tensor.dtype}, not floating-point weights")
         vocab_rows = ours in ("embeddings.word.weight", "head.bias")  # stored unpadded: vocab_size rows
         expected = (model.config.vocab_size,) + target.shape[1:] if vocab_rows else target.shape
-        if tensor.shape != expected:
-            raise ValueError(f"{source}: {theirs[0]} has shape {tuple(tensor.shape)}, expected {tuple(expected)}")
+        # each of query, key, value checked alone: a bad one made torch.cat's RuntimeError, a traceback
+        expected = (expected[0] // len(theirs),) + tuple(expected[1:])
+        for t in theirs:
+            if not state[t].is_floating_point():  # copy_ would cast integers silently
+                raise ValueError(f"{source}: {t} holds {state[t].dtype}, not floating-point weights")
+            if state[t].shape != expected:
+                raise ValueError(f"{source}: {t} has shape {tuple(state[t].shape)}, expected {tuple(expected)}")
+        tensor = torch.cat([state[t] for t in theirs]) if len(theirs) > 1 else state[theirs[0]]
         target[len(tensor):] = 0  # the padded vocab rows (an empty slice elsewhere)
         target[:len(tensor)].copy_(tensor)
     if "bert.pooler.dense.weight" in state:

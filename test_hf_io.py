@@ -102,6 +102,9 @@ def test_bytes_flipped_inside_a_checkpoint_tensor_are_refused(tmp_path):
     (lambda s: s.update({"cls.predictions.bias": torch.zeros(101)}), "has shape (101,), expected (100,)"),
     (lambda s: s.pop("bert.encoder.layer.1.attention.self.key.weight"),
      "missing weight bert.encoder.layer.1.attention.self.key.weight"),
+    # one of the fused q/k/v of another width: was torch.cat's RuntimeError, a traceback from every command
+    (lambda s: s.update({"bert.encoder.layer.0.attention.self.query.weight": torch.zeros(32, 16)}),
+     "bert.encoder.layer.0.attention.self.query.weight has shape (32, 16), expected (32, 32)"),
 ])
 def test_weights_of_the_wrong_kind_are_clear_errors(tmp_path, edit, problem):
     from safetensors.torch import load_file, save_file
