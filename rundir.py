@@ -451,14 +451,16 @@ def model_config_for(cfg, ckpt, init_model, fresh, special):
     if ckpt:
         return replace(BertConfig(**ckpt["model_config"]), dropout=cfg.dropout)  # --dropout may change
     if init_model:
-        mine = (init_model.config.vocab_size, init_model.config.mask_token_id, init_model.config.cls_token_id)
-        if mine != (fresh.vocab_size, special["mask"], special["cls"]):
+        # [PAD] and [SEP] too, as eval.py checks them: a run started from a config.json whose pad_token_id is not
+        # the tokenizer's [PAD] trained, then exported that config, which eval.py refused
+        c = init_model.config
+        mine = (c.vocab_size, c.mask_token_id, c.cls_token_id, c.pad_token_id, c.sep_token_id)
+        theirs = (fresh.vocab_size, special["mask"], special["cls"], special["pad"], special["sep"])
+        if mine != theirs:
             why = ("training needs them equal: MLM predicts over the rows and random replacements draw from them"
-                   if mine[1:] == (special["mask"], special["cls"]) else
-                   "pass --tokenizer with the one its weights were trained with")
-            raise ValueError(f"--init_from {cfg.init_from}: its vocabulary (size, [MASK], [CLS] = {mine}) does not "
-                             f"match the tokenizer's in {cfg.tokenizer} ({fresh.vocab_size}, {special['mask']}, "
-                             f"{special['cls']}); {why}")
+                   if mine[1:] == theirs[1:] else "pass --tokenizer with the one its weights were trained with")
+            raise ValueError(f"--init_from {cfg.init_from}: its vocabulary (size, [MASK], [CLS], [PAD], [SEP] = {mine}) "
+                             f"does not match the tokenizer's in {cfg.tokenizer} {theirs}; {why}")
         return replace(init_model.config, dropout=cfg.dropout)
     return fresh
 

@@ -764,6 +764,14 @@ def test_init_from_flags_that_cannot_work_are_refused(corpus, cache, tmp_path, c
         assert code == 2, err
         one_error(err, needle)
     assert (export / "model.safetensors").read_bytes() == weights
+    # a config.json whose pad_token_id is not the tokenizer's [PAD]: trained, it exported a model eval.py refuses
+    cfg_json = json.loads((export / "config.json").read_text())
+    (export / "config.json").write_text(json.dumps({**cfg_json, "pad_token_id": 5}))
+    code, _, err = run_main(flags(corpus, cache, tmp_path / "new") + ["--init_from", export], capsys)
+    assert code == 2, err
+    one_error(err, "[PAD], [SEP] = (", "does not match the tokenizer's")
+    assert not (tmp_path / "new").exists()
+    (export / "config.json").write_text(json.dumps(cfg_json))
     # weights without their vocabulary: a fresh tokenizer would give every id another meaning
     for name in ("tokenizer.json", "vocab.txt"):
         (export / name).unlink()
