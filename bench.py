@@ -429,9 +429,10 @@ def main(argv=None):
 
     # "all" anywhere in the list is every objective: "all,mlm" was refused as "unknown objective 'all' (choose
     # from ..., or all)"
-    objectives = list(LOSSES) if "all" in args.objectives.split(",") else args.objectives.split(",")
+    named, named_profiled = args.objectives.split(","), args.profile_objectives.split(",")
+    objectives = list(LOSSES) if "all" in named else named
     sizes = args.model_size.split(",")
-    for objective in args.objectives.split(","):  # the names beside "all" too: "all,mlmm" is a typo
+    for objective in named:  # the names beside "all" too: "all,mlmm" is a typo
         if objective not in LOSSES and objective != "all":
             p.error(f"unknown objective {objective!r} (choose from {', '.join(LOSSES)}, or all)")
     for size in sizes:
@@ -442,8 +443,8 @@ def main(argv=None):
         if twice:
             p.error(f"--{flag} {getattr(args, flag)}: {twice[0]} is named twice")
     runs = list(LOSSES) + list(HF_RUNS) + list(ABLATIONS)
-    profiled = runs if "all" in args.profile_objectives.split(",") else args.profile_objectives.split(",")
-    for name in args.profile_objectives.split(","):
+    profiled = runs if "all" in named_profiled else named_profiled
+    for name in named_profiled:
         if name not in runs and name != "all":
             p.error(f"--profile_objectives: unknown run {name!r} (choose from {', '.join(runs)}, or all)")
     # a run this call does not time was profiled by none, silently, exit 0 (e.g. --objectives mlm

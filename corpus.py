@@ -73,10 +73,11 @@ def _files_below(path):
     * skips them; linked folders followed (rglob skipped `AA -> /data/AA` silently), each real folder once."""
     seen = set()
     for folder, dirs, names in os.walk(path, followlinks=True):
-        if os.path.realpath(folder) in seen:  # a second link to it, or a loop
+        real = os.path.realpath(folder)
+        if real in seen:  # a second link to it, or a loop
             dirs[:] = []
             continue
-        seen.add(os.path.realpath(folder))
+        seen.add(real)
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))  # sorted: the same link read first each time
         yield from (Path(folder, n) for n in names if not n.startswith(".") and os.path.isfile(os.path.join(folder, n)))
 
