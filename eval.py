@@ -606,7 +606,8 @@ def run_glue(args, log=print):
     # one eval.py at a time writes GLUE results here: a second one read the same glue.json, and the last to write
     # it dropped the other's tasks (or moved its files aside while it wrote them)
     with locked(out, ".glue.lock", f"GLUE's output directory {out}"):
-        results, earlier_predictions = earlier_results(out, settings, [t.name for t in tasks], log)
+        redone = [t.name for t in tasks if t.name not in missing]  # a task missing now keeps its earlier scores
+        results, earlier_predictions = earlier_results(out, settings, redone, log)
         predictions = {}  # this call's leaderboard files
         t_all = time.time()
 
@@ -644,7 +645,7 @@ def run_glue(args, log=print):
         try:
             for i, task in enumerate(tasks):
                 if task.name in missing:
-                    results[task.name] = missing[task.name]
+                    results.setdefault(task.name, missing[task.name])
                     continue
                 results[task.name], task_predictions = glue_task(task, loaded.pop(task.name), args, base, tok, size,
                                                                  fixed, seeds, device, out, model_dir, log)

@@ -924,6 +924,20 @@ def test_a_second_call_extends_glue_json_or_moves_it_aside(tmp_path, tiny_model_
     assert set(json.loads((out / "glue.3.json").read_text())["tasks"]) == {"stsb"}
 
 
+def test_a_task_missing_from_glue_dir_keeps_its_earlier_scores(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    # the same --tasks again with one task's folder gone (renamed, moved, a second disk not mounted): its scores
+    # in glue.json, from the same export and settings, were overwritten by "missing"
+    fixed_scores(monkeypatch)
+    out, glue = tmp_path / "out", write_glue(tmp_path / "glue")
+    common = ["--model", str(tiny_model_dir), "--glue_dir", str(glue), "--out", str(out), "--tasks", "cola,stsb"]
+    ev.main(common)
+    shutil.rmtree(glue / "STS-B")
+    ev.main(common)
+    saved = json.loads((out / "glue.json").read_text())
+    assert saved["tasks"]["stsb"]["status"] == "ok" and saved["tasks"]["stsb"]["mean"]["spearman"] == 40.0
+    assert "skipping stsb" in capsys.readouterr().out and "Missing:" not in (out / "glue.md").read_text()
+
+
 def test_a_move_aside_cut_short_by_a_kill_is_finished_under_the_same_number(tmp_path, monkeypatch):
     # an earlier glue.json's files move one by one, glue.json last; a kill after two of them (CoLA.1.tsv, MRPC.1.tsv)
     # made the next call take the first number free for every file, 2: glue.2.json listed leaderboard files left
