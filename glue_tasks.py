@@ -7,7 +7,7 @@ fine-tuning loop sees only Datasets with text_a[, text_b] and label columns.
 What it guarantees:
 - a TSV row with the wrong number of columns, a label outside the task's set (an STS-B score outside
   [0, 5]), a missing column, or an empty or repeated test index is one ValueError naming file and line;
-  quoting is off (GLUE sentences hold bare quotes), a BOM and CRLF line ends are accepted;
+  quoting is off (GLUE sentences hold bare quotes), a BOM and CRLF or CR line ends are accepted;
 - a task whose files are absent or empty is TaskMissing (eval.py skips it and marks it missing), never a
   crash halfway through the other tasks; an absent test set is a reason string, not an error;
 - an unreachable hub is one line naming the way out (--glue_dir).
@@ -85,8 +85,8 @@ def read_tsv(path, task, test=False):
     Dataset(text_a[, text_b], index). Quoting is off: GLUE sentences hold bare quotes. utf-8-sig
     drops MRPC's BOM. Every row must have the header's column count."""
     import datasets  # imported here, as in corpus.load_corpus: it costs ~2 s
-    lines = read_text(path).split("\n")
-    lines = [line.rstrip("\r") for line in (lines[:-1] if lines[-1] == "" else lines)]  # LF or CRLF, last one optional
+    lines = read_text(path).replace("\r\n", "\n").replace("\r", "\n").split("\n")  # LF, CRLF or CR, as open() reads
+    lines = lines[:-1] if lines[-1] == "" else lines  # the last line end is optional
     if not any(line.strip() for line in lines):  # an empty file has no rows (load_task: the task is missing)
         columns = ("text_a", "text_b")[:len(task.tsv_text)] + ("index" if test else "label",)
         return datasets.Dataset.from_dict({c: [] for c in columns})
