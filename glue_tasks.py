@@ -8,6 +8,7 @@ What it guarantees:
 - a TSV row with the wrong number of columns, a label outside the task's set (an STS-B score outside
   [0, 5]), a missing column, or an empty or repeated test index is one ValueError naming file and line;
   quoting is off (GLUE sentences hold bare quotes), a BOM and CRLF or CR line ends are accepted;
+  a TSV that cannot be read (permissions, a failing disk) is one ValueError naming it;
 - a task whose files are absent or empty is TaskMissing (eval.py skips it and marks it missing), never a
   crash halfway through the other tasks; an absent test set is a reason string, not an error;
 - an unreachable hub is one line naming the way out (--glue_dir).
@@ -15,7 +16,7 @@ What it guarantees:
 Tests that hold it to this: test_eval.py (test_real_glue_tsvs, test_real_glue_quirks and
 test_real_glue_test_sets on the GLUE files; test_error_malformed_rows,
 test_a_test_set_index_must_be_unique_and_present, test_a_dev_set_without_rows_is_named,
-test_a_test_set_without_rows_is_missing, test_hub_unreachable_is_one_line).
+test_a_test_set_without_rows_is_missing, test_an_unreadable_tsv_is_one_line, test_hub_unreachable_is_one_line).
 """
 import os
 from dataclasses import dataclass, field
@@ -85,7 +86,11 @@ def read_tsv(path, task, test=False):
     Dataset(text_a[, text_b], index). Quoting is off: GLUE sentences hold bare quotes. utf-8-sig
     drops MRPC's BOM. Every row must have the header's column count."""
     import datasets  # imported here, as in corpus.load_corpus: it costs ~2 s
-    lines = read_text(path).replace("\r\n", "\n").replace("\r", "\n").split("\n")  # LF, CRLF or CR, as open() reads
+    try:
+        text = read_text(path)
+    except OSError as e:  # a file this user may not read, a failing disk: one line, not a traceback
+        raise ValueError(f"{path}: cannot read it ({e.strerror or e})") from None
+    lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")  # LF, CRLF or CR, as open() reads
     lines = lines[:-1] if lines[-1] == "" else lines  # the last line end is optional
     if not any(line.strip() for line in lines):  # an empty file has no rows (load_task: the task is missing)
         columns = ("text_a", "text_b")[:len(task.tsv_text)] + ("index" if test else "label",)

@@ -703,6 +703,23 @@ def test_crlf_and_cr_line_ends_read_as_lf(tmp_path):
     assert glue_tasks.read_tsv(str(path), glue_tasks.TASKS["mrpc"]).to_dict() == lf.to_dict()
 
 
+def test_an_unreadable_tsv_is_one_line(tmp_path, tiny_model_dir, capsys, monkeypatch):
+    # a TSV this user may not read (or a failing disk) was an OSError traceback, exit 1; root ignores modes, so a
+    # failing open stands in
+    import corpus
+    glue = write_glue(tmp_path / "glue")
+    path = glue / "STS-B" / "dev.tsv"
+
+    def unreadable(file, *args, **kwargs):
+        if os.path.samefile(file, path):
+            raise PermissionError(13, "Permission denied", str(file))
+        return open(file, *args, **kwargs)
+    monkeypatch.setattr(corpus, "open", unreadable, raising=False)  # read_text's open
+    err = run_main_error(["--model", str(tiny_model_dir), "--glue_dir", str(glue), "--tasks", "stsb",
+                          "--out", str(tmp_path / "out")], capsys)
+    assert f"{path}: cannot read it (Permission denied)" in err and not (tmp_path / "out" / "glue.json").exists()
+
+
 def test_every_tsv_is_checked_before_any_fine_tuning(tmp_path, tiny_model_dir, capsys):
     glue = write_glue(tmp_path / "glue")
     with open(glue / "STS-B" / "dev.tsv", "a") as f:
