@@ -7,7 +7,9 @@ fine-tuning loop sees only Datasets with text_a[, text_b] and label columns.
 What it guarantees:
 - a TSV row with the wrong number of columns, a label outside the task's set (an STS-B score outside
   [0, 5]), a missing column, or an empty or repeated test index is one ValueError naming file and line;
-  quoting is off (GLUE sentences hold bare quotes), a BOM and CRLF or CR line ends are accepted;
+  quoting is off (GLUE sentences hold bare quotes), except in a file re-saved with csv quoting
+  (pandas' to_csv: every quote-holding cell wrapped, its own quotes doubled), which reads as the
+  original; a BOM and CRLF or CR line ends are accepted;
   a TSV that cannot be read (permissions, a failing disk) is one ValueError naming it;
 - a task whose files are absent or empty is TaskMissing (eval.py skips it and marks it missing), never a
   crash halfway through the other tasks; an absent test set is a reason string, not an error;
@@ -16,9 +18,11 @@ What it guarantees:
 Tests that hold it to this: test_eval.py (test_real_glue_tsvs, test_real_glue_quirks and
 test_real_glue_test_sets on the GLUE files; test_error_malformed_rows,
 test_a_test_set_index_must_be_unique_and_present, test_a_dev_set_without_rows_is_named,
-test_a_test_set_without_rows_is_missing, test_an_unreadable_tsv_is_one_line, test_hub_unreachable_is_one_line).
+test_a_test_set_without_rows_is_missing, test_an_unreadable_tsv_is_one_line,
+test_a_tsv_resaved_with_csv_quoting_reads_as_the_original, test_hub_unreachable_is_one_line).
 """
 import os
+import re
 from dataclasses import dataclass, field
 
 from corpus import quiet_hub, read_text
@@ -77,14 +81,18 @@ SUBMISSIONS = {
 }
 
 
+CSV_QUOTED = re.compile(r'"(?:[^"]|"")*"')  # a cell as csv quotes it: wrapped in quotes, its own doubled
+
+
 class TaskMissing(Exception):
     """A task's data is not there: it is skipped and marked missing."""
 
 
 def read_tsv(path, task, test=False):
     """One GLUE TSV as a Dataset(text_a[, text_b], label); a test TSV (no labels) as
-    Dataset(text_a[, text_b], index). Quoting is off: GLUE sentences hold bare quotes. utf-8-sig
-    drops MRPC's BOM. Every row must have the header's column count."""
+    Dataset(text_a[, text_b], index). Quoting is off: GLUE sentences hold bare quotes (a file
+    re-saved with csv quoting is unquoted). utf-8-sig drops MRPC's BOM. Every row must have the
+    header's column count."""
     import datasets  # imported here, as in corpus.load_corpus: it costs ~2 s
     try:
         text = read_text(path)
@@ -104,9 +112,14 @@ def read_tsv(path, task, test=False):
     lacking = [c for c in task.tsv_text + (target,) if c not in col]
     if lacking:
         raise ValueError(f"{path}: no column {lacking[0]!r} in the header {header}")
+    table = [line.split("\t") for line in lines[first:]]
+    # re-saved by pandas' to_csv (csv quoting), every cell holding a quote is wrapped in quotes, its own doubled
+    # ('"a ""b"""'); most of GLUE's own (bare) quoted cells are not of that form, and none holds a ""
+    quoted = [cell for cells in table for cell in cells if '"' in cell]
+    if quoted and all(CSV_QUOTED.fullmatch(c) for c in quoted) and any('""' in c[1:-1] for c in quoted):
+        table = [[c[1:-1].replace('""', '"') if '"' in c else c for c in cells] for cells in table]
     rows, seen = {"text_a": [], "text_b": [], "index" if test else "label": []}, set()
-    for lineno, line in enumerate(lines[first:], first + 1):
-        cells = line.split("\t")
+    for lineno, cells in enumerate(table, first + 1):
         if len(cells) != len(header):
             raise ValueError(f"{path}:{lineno}: expected {len(header)} tab-separated columns, got {len(cells)}")
         raw = cells[col[target]]

@@ -720,6 +720,25 @@ def test_an_unreadable_tsv_is_one_line(tmp_path, tiny_model_dir, capsys, monkeyp
     assert f"{path}: cannot read it (Permission denied)" in err and not (tmp_path / "out" / "glue.json").exists()
 
 
+def test_a_tsv_resaved_with_csv_quoting_reads_as_the_original(tmp_path):
+    # pandas' to_csv(sep="\t") wraps a cell holding a quote in quotes and doubles its own ('"a ""b"""'):
+    # read with quoting off, every such sentence kept the added quotes as text, without a word
+    import csv
+    glue = write_glue(tmp_path / "glue")
+    path = glue / "MRPC" / "dev.tsv"  # sentence A opens with a bare quote, as MRPC's do
+    with open(path, encoding="utf-8", newline="") as f:
+        table = [line.split("\t") for line in f.read().split("\n")]
+    table[1][4] = 'he said "no" and left .'  # quotes inside a sentence and at its end
+    table[2][3] = '"the cat sat ."'
+    path.write_text("\n".join("\t".join(cells) for cells in table))
+    original = glue_tasks.read_tsv(str(path), glue_tasks.TASKS["mrpc"]).to_dict()
+    assert original["text_b"][0] == 'he said "no" and left .' and original["text_a"][1] == '"the cat sat ."'
+    with open(path, "w", encoding="utf-8", newline="") as f:
+        csv.writer(f, delimiter="\t", lineterminator="\n").writerows(table)  # quoting=QUOTE_MINIMAL, as pandas
+    assert '"""the cat sat ."""' in path.read_text()
+    assert glue_tasks.read_tsv(str(path), glue_tasks.TASKS["mrpc"]).to_dict() == original
+
+
 def test_every_tsv_is_checked_before_any_fine_tuning(tmp_path, tiny_model_dir, capsys):
     glue = write_glue(tmp_path / "glue")
     with open(glue / "STS-B" / "dev.tsv", "a") as f:
