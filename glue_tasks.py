@@ -17,6 +17,7 @@ What it guarantees:
 
 Tests that hold it to this: test_eval.py (test_real_glue_tsvs, test_real_glue_quirks and
 test_real_glue_test_sets on the GLUE files; test_error_malformed_rows,
+test_a_header_without_a_needed_column_is_named_in_one_short_line,
 test_a_test_set_index_must_be_unique_and_present, test_a_dev_set_without_rows_is_named,
 test_a_test_set_without_rows_is_missing, test_an_unreadable_tsv_is_one_line,
 test_a_tsv_resaved_with_csv_quoting_reads_as_the_original, test_hub_unreachable_is_one_line).
@@ -110,8 +111,9 @@ def read_tsv(path, task, test=False):
     col = {name: i for i, name in enumerate(header)}
     target = task.test_index if test else task.tsv_label
     lacking = [c for c in task.tsv_text + (target,) if c not in col]
-    if lacking:
-        raise ValueError(f"{path}: no column {lacking[0]!r} in the header {header}")
+    if lacking:  # the header shown cut short: a file of one long line (not a TSV at all) is all header
+        shown = str(header) if len(str(header)) <= 200 else str(header)[:200] + " ..."
+        raise ValueError(f"{path}: no column {lacking[0]!r} in the header {shown}")
     table = [line.split("\t") for line in lines[first:]]
     # re-saved by pandas' to_csv (csv quoting), every cell holding a quote is wrapped in quotes, its own doubled
     # ('"a ""b"""'); most of GLUE's own (bare) quoted cells are not of that form, and none holds a ""

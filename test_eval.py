@@ -739,6 +739,19 @@ def test_a_tsv_resaved_with_csv_quoting_reads_as_the_original(tmp_path):
     assert glue_tasks.read_tsv(str(path), glue_tasks.TASKS["mrpc"]).to_dict() == original
 
 
+def test_a_header_without_a_needed_column_is_named_in_one_short_line(tmp_path):
+    glue = write_glue(tmp_path / "glue")
+    path = glue / "STS-B" / "dev.tsv"
+    path.write_text(path.read_text().replace("\tscore\n", "\tScore\n", 1))
+    with pytest.raises(ValueError, match=r"no column 'score' in the header \[.*'sentence2', 'Score'\]$"):
+        glue_tasks.read_tsv(str(path), glue_tasks.TASKS["stsb"])
+    # a file of one long line (a JSON dump saved as .tsv): the message held all of it (megabytes for a whole split)
+    path.write_text(json.dumps([{"sentence1": "a\tb " * 5000, "score": 1.0}]))
+    with pytest.raises(ValueError, match="no column 'sentence1' in the header") as e:
+        glue_tasks.read_tsv(str(path), glue_tasks.TASKS["stsb"])
+    assert len(str(e.value)) < 400
+
+
 def test_every_tsv_is_checked_before_any_fine_tuning(tmp_path, tiny_model_dir, capsys):
     glue = write_glue(tmp_path / "glue")
     with open(glue / "STS-B" / "dev.tsv", "a") as f:
