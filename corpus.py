@@ -5,11 +5,11 @@ pieces only when its token cache (token_files.py) misses, and any list of string
 
 What it reads: a `datasets` hub name ("wikitext:wikitext-103-raw-v1" = load_dataset("wikitext",
 "wikitext-103-raw-v1")) or a local file / directory / glob of .txt .raw .jsonl .parquet, optionally
-.xz/.gz compressed (datasets 5 decompresses them on the fly); a directory's hidden files and folders
-(.name) are skipped and linked folders followed (each real one once). A document starts at each file, each
-jsonl/parquet row, each WikiExtractor `<doc ...>` line (the <doc>/</doc> lines themselves are dropped)
-and each WikiText top-level heading ` = Title = ` (after a blank row, in a file that has them). Blank lines
-are dropped.
+.xz/.gz/.bz2 compressed (text we decompress into the cache first, datasets the rest); a directory's hidden
+files and folders (.name) are skipped and linked folders followed (each real one once). A document starts
+at each file, each jsonl/parquet row, each WikiExtractor `<doc ...>` line (the <doc>/</doc> lines
+themselves are dropped) and each WikiText top-level heading ` = Title = ` (after a blank row, in a file
+that has them). Blank lines are dropped.
 
 What it guarantees:
 - a bad path (missing, an empty file, a glob or directory matching nothing) is one ValueError naming it,
@@ -31,6 +31,7 @@ import logging
 import lzma
 import os
 import re
+import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -39,6 +40,7 @@ from pathlib import Path
 SAMPLE_CORPUS = str(Path(__file__).resolve().parent / "assets" / "wikitext2_test.raw.xz")
 BUILDERS = {".txt": "text", ".raw": "text", ".jsonl": "json", ".parquet": "parquet"}  # no .json: dirs hold configs
 COMPRESSIONS = (".xz", ".gz", ".bz2", ".zst")
+DECOMPRESS = {".xz": lzma.open, ".gz": gzip.open, ".bz2": bz2.open}  # .zst: datasets' own (needs zstandard)
 WIKITEXT_HEADING = re.compile(r"^ = [^=].* =\s*$")  # top-level only: " == Section == " stays in the doc
 FILES_PER_LOAD = 25  # files per datasets.load_dataset call (see load_corpus)
 BATCH_ROWS = 2000  # rows per encode_batch call: large enough to keep every core busy
@@ -108,7 +110,7 @@ def read_text(path):
     """A UTF-8 text file (.xz/.gz/.bz2 too, as --data reads them; a BOM dropped) as one str; bytes that are not
     UTF-8 are one ValueError naming the file and line (eval.py's GLUE TSVs, analysis.py's --text)."""
     suffix = Path(path).suffix
-    opener = {".xz": lzma.open, ".gz": gzip.open, ".bz2": bz2.open}.get(suffix)
+    opener = DECOMPRESS.get(suffix)
     try:
         with (opener or open)(path, "rb") as f:
             raw = f.read()
@@ -145,9 +147,36 @@ def _plain_path(f, hf_cache):
     return glob.escape(str(link))
 
 
+def _decompressed(f, hf_cache):
+    """A compressed text file as a plain copy in hf_cache/plain (one per path, replaced at each read, its
+    mtime the file's so datasets keeps one Arrow copy of it). datasets reads a compressed file through
+    fsspec in the locale's encoding, whatever encoding= says: a BOM was kept, and under a locale that is not
+    UTF-8 (Windows') the text was misread or refused."""
+    plain = Path(hf_cache) / "plain" / f"{hashlib.sha1(os.path.abspath(f).encode()).hexdigest()[:16]}.txt"
+    plain.parent.mkdir(parents=True, exist_ok=True)
+    tmp = f"{plain}.{os.getpid()}.tmp"
+    try:
+        with DECOMPRESS[Path(f).suffix](f, "rb") as src, open(tmp, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+    except (EOFError, OSError, lzma.LZMAError) as e:  # truncated or not that format (gzip, bz2: OSError)
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EFBIG):
+            raise  # the cache's disk: _load_local says so
+        raise ValueError(f"cannot read {f} as text: not a readable {Path(f).suffix} file ({first_line(e)})") from None
+    os.utime(tmp, ns=(os.stat(f).st_mtime_ns,) * 2)
+    os.replace(tmp, plain)  # atomic: a concurrent run writes the same text
+    return str(plain)
+
+
 def _load_local(datasets, builder, split_files, hf_cache):
     """load_dataset for local files; a file it cannot read is one ValueError naming that file."""
-    escaped = {name: _plain_path(f, hf_cache) for name, f in split_files.items()}
+    try:
+        escaped = {name: _decompressed(f, hf_cache) if builder == "text" and Path(f).suffix in DECOMPRESS
+                   else _plain_path(f, hf_cache) for name, f in split_files.items()}
+    except OSError as e:  # ENOSPC or EFBIG from _decompressed
+        raise ValueError(f"no space left on the device of the cache {hf_cache} while decompressing "
+                         f"{', '.join(split_files.values())}: free some, or pass --cache_dir elsewhere") from None
     # a BOM dropped, as read_text does: kept, it hid a WikiExtractor file's first <doc ...> line from pieces
     options = dict(encoding="utf-8-sig") if builder == "text" else {}
     try:

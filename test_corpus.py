@@ -7,6 +7,8 @@ import json
 import lzma
 import os
 import re
+import subprocess
+import sys
 import threading
 import time
 
@@ -43,12 +45,31 @@ def test_wikiextractor_markers_and_formats(tok_dir, tmp_path):
         assert np.array_equal(_stream(tok_dir, tmp_path / name, tmp_path)[1], stream), name
 
 
-def test_a_byte_order_mark_hides_no_doc_line(tok_dir, tmp_path):
+@pytest.mark.parametrize("name, compress", [("a.txt", bytes), ("a.txt.gz", gzip.compress), ("a.txt.bz2", bz2.compress)])
+def test_a_byte_order_mark_hides_no_doc_line(tok_dir, tmp_path, name, compress):
     # Windows editors start UTF-8 files with a BOM: the first <doc ...> line is still a marker, not text
-    (tmp_path / "a.txt").write_bytes(b"\xef\xbb\xbf" + _wikiextractor_text().encode())
-    tok, stream = _stream(tok_dir, tmp_path / "a.txt", tmp_path)
+    # (compressed, it was kept: datasets reads those in the locale's encoding, whatever encoding= says)
+    (tmp_path / name).write_bytes(compress(b"\xef\xbb\xbf" + _wikiextractor_text().encode()))
+    tok, stream = _stream(tok_dir, tmp_path / name, tmp_path)
     assert (stream == data.special_token_ids(tok)["sep"]).sum() == len(TITLES) - 1
     assert "curid" not in tok.decode(stream.tolist())
+
+
+def test_compressed_text_is_utf8_under_any_locale(tmp_path):
+    # datasets decoded a compressed file in the locale's encoding: under one that is not UTF-8 (here C without
+    # Python's UTF-8 mode; Windows' cp1252 misreads instead) the bundled sample, the default run's corpus, was
+    # refused as "not UTF-8"
+    text = "Caf\u00e9 \u2014 \u201cna\u00efve\u201d \u00d7 \u03c4\n"
+    (tmp_path / "a.txt.xz").write_bytes(lzma.compress(text.encode()))
+    script = ("import corpus, json, sys; print(json.dumps([list(corpus.load_corpus(f, corpus.resolve_files(f), "
+              "sys.argv[1])[0][1]['text']) for f in sys.argv[2:]]))")
+    env = {**os.environ, "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0", "LC_ALL": "C"}
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "cache"), str(tmp_path / "a.txt.xz"),
+                           corpus.SAMPLE_CORPUS], cwd=os.path.dirname(corpus.__file__), env=env, capture_output=True,
+                          text=True, encoding="utf-8")
+    assert done.returncode == 0, done.stderr
+    mine, sample = json.loads(done.stdout)
+    assert mine == [text.strip()] and sample[:3] == corpus.read_text(corpus.SAMPLE_CORPUS).splitlines()[:3]
 
 
 def test_special_token_spellings_in_the_text_are_text(tok_dir, tmp_path):
