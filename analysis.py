@@ -355,7 +355,7 @@ def held_out_documents(text_path, model_path):
         return read_lines(text_path), text_path
     run_dir = model_path if os.path.isdir(model_path) else os.path.dirname(model_path)
     try:  # train.py's first log line holds data.prepare_data's arguments under their names
-        with open(os.path.join(run_dir, "log.jsonl")) as f:
+        with open(os.path.join(run_dir, "log.jsonl"), encoding="utf-8") as f:
             cfg = json.loads(f.readline())["config"]
         tok, _, val = data.prepare_data(cfg["data"], cfg["cache_dir"], run_dir, cfg["vocab_size"], cfg["val_fraction"])
     except Exception as e:
@@ -563,7 +563,7 @@ def analyze_model(model, tok, sentences, max_len, device, seed, stsb_rows, heatm
 
 def _save_json(obj, path):
     def write(tmp):
-        with open(tmp, "w") as f:
+        with open(tmp, "w", encoding="utf-8") as f:
             json.dump(obj, f, indent=2)
     replace_atomic(path, write)
 
@@ -924,7 +924,8 @@ def plot_logs(paths, out):
     for target in (path, table_path):
         if os.path.isdir(target):  # an earlier GLUE --out x.png made a folder of that name
             raise ValueError(f"{target} is a directory, where --plot_log writes a file: choose another --out")
-    if os.path.isfile(table_path) and not open(table_path, errors="replace").readline().startswith("| run | step |"):
+    first = open(table_path, encoding="utf-8", errors="replace").readline() if os.path.isfile(table_path) else None
+    if first is not None and not first.startswith("| run | step |"):
         raise ValueError(f"{table_path} exists and is not a table that --plot_log wrote: it would be overwritten; "
                          f"choose another --out")
     labels = _labels([os.path.dirname(os.path.abspath(p)) for p in paths], paths)

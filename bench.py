@@ -385,7 +385,7 @@ def hf_ratio(ours, hf):
 
 def write_json(path, obj):
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path + ".tmp", "w") as f:
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=1)
     os.replace(path + ".tmp", path)
 

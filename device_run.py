@@ -203,7 +203,7 @@ def budget_table():
 
 def git(*args, root=HERE):
     try:
-        done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+        done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, encoding="utf-8")
     except OSError:  # no git program (a bare GPU machine may lack one): the provenance falls back to source.json
         return None
     return done.stdout if done.returncode == 0 else None
@@ -356,7 +356,7 @@ class Log:
     """device_run.log in the work folder, and the console."""
 
     def __init__(self, path):
-        self.file, self.lock = open(path, "a"), threading.Lock()
+        self.file, self.lock = open(path, "a", encoding="utf-8"), threading.Lock()
 
     def __call__(self, line):
         with self.lock:
@@ -385,12 +385,12 @@ def missing_wheels(wheel_dir):
 
 def install_wheels(wheel_dir, site, log):
     """pip --no-index the missing wheels into `site`; returns the environment for every child (PYTHONPATH)."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONIOENCODING="utf-8")  # children write UTF-8, as we read
     needed = missing_wheels(wheel_dir)
     if needed:
         cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                "--no-cache-dir", "--upgrade", "--target", site, *[os.path.join(wheel_dir, f) for f in needed]]
-        done = subprocess.run(cmd, capture_output=True, text=True)
+        done = subprocess.run(cmd, capture_output=True, text=True, encoding="utf-8", errors="replace")
         if done.returncode:
             raise RuntimeError(f"pip could not install {', '.join(needed)}: {done.stderr.strip()[-500:]}")
         env["PYTHONPATH"] = os.pathsep.join([site] + [p for p in [env.get("PYTHONPATH")] if p])
@@ -410,7 +410,7 @@ if torch.cuda.is_available():
                 matmul_finite=bool(torch.isfinite(x @ x).all()))
     try:
         smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True)
+                             capture_output=True, text=True, encoding="utf-8", errors="replace")
         info["driver"] = smi.stdout.strip() or None
     except OSError:  # no nvidia-smi: the driver goes unrecorded, the chunk runs
         info["driver"] = None
@@ -422,7 +422,8 @@ print("CHECK " + json.dumps(info))
 
 def check_device(env, toy):
     """The machine, asked in a child process (torch is not imported here): versions, the GPU, a bf16 matmul."""
-    done = subprocess.run([sys.executable, "-c", CHECK], cwd=HERE, env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", CHECK], cwd=HERE, env=env, capture_output=True, text=True,
+                          encoding="utf-8", timeout=120)
     line = next((l for l in done.stdout.splitlines() if l.startswith("CHECK ")), None)
     if done.returncode or line is None:
         raise RuntimeError(f"the device check failed: {(done.stderr or done.stdout).strip()[-800:]}")
@@ -509,7 +510,7 @@ def run_stage(argv, env, log, out_path, deadline, pack, stop_signal=signal.SIGTE
     and a training run saves its step), GRACE seconds, then SIGKILL for its whole group. The archive is
     repacked every PACK_EVERY seconds meanwhile. Returns (exit code, stopped at the deadline)."""
     log("$ " + " ".join(argv))
-    out = open(out_path or os.devnull, "a")  # reproduce.py keeps its own logs: speed's stages only
+    out = open(out_path or os.devnull, "a", encoding="utf-8")  # reproduce.py keeps its own logs: speed's stages only
 
     def tee():
         for line in proc.stdout:
@@ -519,7 +520,7 @@ def run_stage(argv, env, log, out_path, deadline, pack, stop_signal=signal.SIGTE
     reader = threading.Thread(target=tee, daemon=True)
     stopped, last_pack = None, time.time()
     proc = subprocess.Popen(argv, cwd=HERE, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+                            encoding="utf-8", errors="replace", start_new_session=True)
     try:  # from the stage's start: an interrupt from here on reaches it (its own session gets no Ctrl-C)
         reader.start()
         while proc.poll() is None:
@@ -714,7 +715,7 @@ def chunk_results(chunk_dir, chunk):
     results = reproduce.collect(args, args.runs)
     pngs = reproduce.plot(results, chunk_dir)
     reproduce.save_json(results, os.path.join(chunk_dir, "results.json"))
-    with open(os.path.join(chunk_dir, "results.md"), "w") as f:
+    with open(os.path.join(chunk_dir, "results.md"), "w", encoding="utf-8") as f:
         f.write(reproduce.markdown(results, pngs))
     return results, pngs
 
@@ -760,7 +761,7 @@ def merge(args):
         sys.exit(f"error: no chunk in {into}: pass the archives (CHUNK.tar.gz) the device runs brought back")
     results = {c: chunk_results(os.path.join(into, c), c) for c in records if c != "speed"}
     text = merged_markdown(records, results, into)
-    with open(os.path.join(into, "results.md.tmp"), "w") as f:
+    with open(os.path.join(into, "results.md.tmp"), "w", encoding="utf-8") as f:
         f.write(text)
     os.replace(os.path.join(into, "results.md.tmp"), os.path.join(into, "results.md"))
     print(f"wrote {os.path.join(into, 'results.md')} ({', '.join(records)}; not run: "
@@ -898,7 +899,7 @@ def speed_section(into):
     stage = next((s for s in (reproduce.read_json(os.path.join(into, "speed", "chunk.json")) or {}).get("stages", [])
                   if s["name"] == "test_cuda"), None)
     if stage:
-        log = open(out, errors="replace").read().splitlines() if os.path.isfile(out) else []
+        log = open(out, encoding="utf-8", errors="replace").read().splitlines() if os.path.isfile(out) else []
         summary = [l for l in log if re.search(r"\d+ (passed|failed|error)", l)]
         lines += [f"test_cuda.py (in-process checks, at most {H100['test_cuda_s']} s): {stage.get('status')}; "
                   f"pytest: {summary[-1].strip() if summary else 'no summary line'}", ""]

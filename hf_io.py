@@ -71,7 +71,7 @@ def from_pretrained(cls, path, mlm_head=True):
             return _load_project_checkpoint(os.path.join(path, "ckpt.pt"))
         raise ValueError(f"{path}: not a checkpoint (no config.json or ckpt.pt)")
     try:
-        with open(cfg_path) as f:
+        with open(cfg_path, encoding="utf-8") as f:
             hf = json.load(f)
         ids = ("unk_token_id", "cls_token_id", "sep_token_id", "mask_token_id")
         config = config_from_hf(hf, vocab=None if all(k in hf for k in ids) else _read_vocab(path))
@@ -437,7 +437,7 @@ def still_training(path):
         return False
     import fcntl
     try:
-        f = open(lock)
+        f = open(lock, encoding="utf-8")
     except OSError:  # no run there, or one that ended (and deleted its .lock) since it was looked for
         return False
     with f:

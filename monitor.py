@@ -214,14 +214,14 @@ class Console:
         try:
             return self.stream.write(text)
         except BrokenPipeError:
-            self.stream = open(os.devnull, "w")
+            self.stream = open(os.devnull, "w", encoding="utf-8")
             return len(text)
 
     def flush(self):
         try:
             self.stream.flush()
         except BrokenPipeError:
-            self.stream = open(os.devnull, "w")
+            self.stream = open(os.devnull, "w", encoding="utf-8")
 
     def __getattr__(self, name):
         return getattr(self.stream, name)

@@ -253,7 +253,8 @@ def run_cmd(cmd, log_path, dry_run, env=None, timed=None):
 
 def spawn(cmd, env):
     return subprocess.Popen(cmd, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**(env or {}), **os.environ, "PYTHONUNBUFFERED": "1"},
+                            encoding="utf-8", errors="replace",  # the child writes UTF-8 whatever the locale
+                            env={**(env or {}), **os.environ, "PYTHONUNBUFFERED": "1", "PYTHONIOENCODING": "utf-8"},
                             start_new_session=True,  # a terminal's Ctrl-C reaches it once, through us
                             preexec_fn=die_with_parent if sys.platform == "linux" else None)
 
@@ -271,7 +272,7 @@ def run_parallel(calls, jobs, env):
     tag = len(calls) > 1
 
     def tee(proc, log_path, prefix):
-        with open(log_path, "a") as log:
+        with open(log_path, "a", encoding="utf-8") as log:
             for line in proc.stdout:
                 log.write(line)
                 with lock:
@@ -335,7 +336,7 @@ def hub_reachable(host="huggingface.co", timeout=3.0):
 
 def try_lock(path):
     """An OS lock on `path` (released however its holder dies), or None when another process holds it."""
-    f = open(path, "a")
+    f = open(path, "a", encoding="utf-8")
     try:
         import fcntl
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -348,7 +349,7 @@ def try_lock(path):
 
 
 def save_json(obj, path):
-    with open(path + ".tmp", "w") as f:
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=2)
     os.replace(path + ".tmp", path)
 
@@ -803,7 +804,7 @@ def report(args, runs):
     pngs = plot(results, args.out_dir)
     save_json(results, os.path.join(args.out_dir, "results.json"))
     text = markdown(results, pngs)
-    with open(os.path.join(args.out_dir, "results.md.tmp"), "w") as f:
+    with open(os.path.join(args.out_dir, "results.md.tmp"), "w", encoding="utf-8") as f:
         f.write(text)
     os.replace(os.path.join(args.out_dir, "results.md.tmp"), os.path.join(args.out_dir, "results.md"))
     print(text)
@@ -955,7 +956,8 @@ def nproc_problem(args):
              "        sys.exit(f'{objective}: {e}')\n")
     objectives = sorted({CONTINUED.get(r, r) for r in args.selected})
     done = subprocess.run([sys.executable, "-c", check, json.dumps(SCALES[args.scale]["train"]),
-                           str(args.nproc_per_node), *objectives], cwd=HERE, capture_output=True, text=True)
+                           str(args.nproc_per_node), *objectives], cwd=HERE, capture_output=True, text=True,
+                          encoding="utf-8", errors="replace")
     return done.stderr.strip().splitlines()[-1] if done.returncode else None
 
 

@@ -206,7 +206,7 @@ def take_lock(out_dir, name=".lock", what=None):
     path = os.path.join(out_dir, name)
     while True:
         try:
-            f = open(path, "a+")
+            f = open(path, "a+", encoding="utf-8")
         except OSError as e:  # .lock is a directory, or unwritable
             raise ValueError(f"cannot open the lock file {path} ({e.strerror})") from None
         try:
@@ -363,7 +363,8 @@ def provenance(out_dir=None, diff_name="code.diff"):
     `git diff HEAD` plus any untracked .py file, saved as out_dir/diff_name), torch version, host.
     Outside git: commit None."""
     here = os.path.dirname(os.path.abspath(__file__))
-    git = lambda *args: subprocess.run(["git", *args], cwd=here, capture_output=True, text=True, timeout=30)
+    git = lambda *args: subprocess.run(["git", *args], cwd=here, capture_output=True, text=True, encoding="utf-8",
+                                       timeout=30)
     commit, diff = None, ""
     try:
         out = git("rev-parse", "HEAD")
@@ -389,7 +390,7 @@ def export_step(out_dir):
         with safe_open(os.path.join(out_dir, "model.safetensors"), "pt") as f:
             weights_step = (f.metadata() or {}).get("training_step")
         load_safetensors(os.path.join(out_dir, "model.safetensors"))  # checks its weights_sha1
-        with open(os.path.join(out_dir, "config.json")) as f:
+        with open(os.path.join(out_dir, "config.json"), encoding="utf-8") as f:
             config_step = json.load(f).get("training_step")
     except Exception:
         return None
@@ -521,7 +522,7 @@ class Run:
             print(f"note: {cfg.out_dir} holds a run stopped before its first checkpoint: it starts again from step 0 "
                   f"(its log.jsonl goes on; a step logged twice counts once, the later)")
         repair_log(log_path)
-        self.log_file = open(log_path, "a")
+        self.log_file = open(log_path, "a", encoding="utf-8")
         # the code that ran, for each segment of the run: a resume's local changes go to code-step{N}.diff
         self.diff_name = f"code-step{step}.diff" if ckpt else "code.diff"
         start = {"config": asdict(cfg), "provenance": provenance(cfg.out_dir, self.diff_name)}

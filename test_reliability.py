@@ -2,6 +2,7 @@
 it saves NaN, checkpoints loaded without running code, a run directory that stays one consistent
 unit (own tokenizer, export agrees with ckpt.pt, lock, exact data position across layouts,
 repaired log, SIGTERM), and the provenance in log.jsonl. Most runs call train.main() in-process."""
+import ast
 import copy
 import errno
 import hashlib
@@ -1457,3 +1458,29 @@ def test_the_last_step_is_logged_evaluated_and_saved_off_the_intervals(corpus, c
     assert [r["step"] for r in records if "loss" in r] == [2, 3, 4, 5]
     assert [r["step"] for r in records if "val_mlm_loss" in r] == [0, 2, 3, 4, 5]
     assert counted == [(2, 512), (3, 256), (4, 256), (5, 256)]
+
+
+def test_text_files_and_pipes_are_utf8_whatever_the_locale():
+    # open() and a text-mode subprocess without encoding= use the locale's encoding: under one that is not UTF-8
+    # (Windows' cp1252; C without Python's UTF-8 mode) reproduce.py's and device_run.py's results.md (the
+    # +- and -- signs) failed to write, and git's diff of an edited file holding a non-ASCII comment to read
+    unpinned = []
+    for path in sorted(HERE.glob("*.py")):
+        if path.name.startswith("test_") or path.name == "conftest.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.Call):
+                continue
+            kw, func = {k.arg: k.value for k in node.keywords}, node.func
+            if isinstance(func, ast.Name) and func.id == "open":
+                mode = node.args[1] if len(node.args) > 1 else kw.get("mode")
+                text = not (isinstance(mode, ast.Constant) and "b" in mode.value)
+            elif isinstance(func, ast.Attribute) and func.attr in ("run", "Popen", "check_output"):
+                text = any(isinstance(kw.get(k), ast.Constant) and kw[k].value for k in ("text", "universal_newlines"))
+            elif isinstance(func, ast.Attribute) and func.attr in ("read_text", "write_text"):
+                text = len(node.args) == (func.attr == "write_text")  # pathlib's, not corpus.read_text(path)
+            else:
+                continue
+            if text and "encoding" not in kw:
+                unpinned.append(f"{path.name}:{node.lineno}")
+    assert not unpinned

@@ -203,7 +203,7 @@ def making(*paths):
         yield
         return
     try:
-        lock = open(paths[0].parent / f".{paths[0].name}.lock", "a")
+        lock = open(paths[0].parent / f".{paths[0].name}.lock", "a", encoding="utf-8")
     except OSError:  # a read-only cache: reading what is made needs no lock (making it fails on its own)
         yield
         return
@@ -282,7 +282,7 @@ def cache_ok(path):
     if not path.exists():
         return False
     try:
-        meta = json.loads(sidecar(path).read_text())
+        meta = json.loads(sidecar(path).read_text(encoding="utf-8"))
         if path.stat().st_size == meta["bytes"] and checksum(path) == meta["checksum"]:
             return True
         problem = "size or checksum differs from its sidecar"
