@@ -23,7 +23,7 @@ Notable choices:
   report the mean of the runs. --recipe uniform: one recipe for every task (TACO's scripts).
   --recipe short (ours): one recipe for briefly pretrained models, whose classifier Table 7's lr barely moves.
 - Batches come in random order, as Hugging Face's run_glue (the papers' code); --group_by_length
-  batches similar lengths together: less padding, faster (its effect on scores: README, GLUE).
+  batches similar lengths together: less padding, faster (its effect on scores: docs/glue.md).
 - Data: the original GLUE TSVs (--glue_dir) through a strict reader (quoting off, a bad row is a
   one-line error naming file and line), or the hub's nyu-mll/glue. A task without train or dev
   data is skipped and marked missing, never scored on nothing.
