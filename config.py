@@ -19,6 +19,7 @@ from pathlib import PurePath
 
 import torch
 
+import distributed
 from data import DEFAULT_DATA, HUB_CORPUS
 from model import MODEL_PRESETS
 
@@ -370,9 +371,12 @@ def validate(cfg):
              f"this machine has {torch.cuda.device_count()} CUDA device(s)")
     need(cfg.device != "mps" or torch.backends.mps.is_available(), "device", "MPS is not available on this machine")
     if "LOCAL_RANK" in os.environ and cfg.device in ("auto", "cuda") and torch.cuda.is_available():
-        if int(os.environ["LOCAL_RANK"]) >= torch.cuda.device_count():  # only the surplus ranks see it
+        if distributed.env_int("LOCAL_RANK") >= torch.cuda.device_count():  # only the surplus ranks see it
             raise RankError(f"--device {cfg.device}: torchrun started local process {os.environ['LOCAL_RANK']}, this "
                             f"machine has {torch.cuda.device_count()} CUDA device(s): --nproc_per_node must be at most that")
+    problem = distributed.torchrun_problem()  # every rank says it: a hand-set environment may differ per process
+    if problem:
+        raise RankError(problem)
     for name in ("out_dir", "cache_dir"):
         problem = dir_problem(getattr(cfg, name))  # once: it writes a probe file
         need(problem is None, name, problem)

@@ -49,13 +49,36 @@ class Layout:
         return "cuda" if self.device.startswith("cuda") else self.device
 
 
+def env_int(name):
+    """torchrun's RANK, WORLD_SIZE or LOCAL_RANK as an integer; 0 where it is absent or not a count
+    (torchrun_problem says so, in config.validate)."""
+    value = os.environ.get(name, "").strip()
+    return int(value) if re.fullmatch(r"[0-9]+", value) else 0
+
+
+def torchrun_problem():
+    """What is wrong with torchrun's RANK / WORLD_SIZE / LOCAL_RANK, or None: torchrun sets all three, but a
+    stray `export RANK=0` or a hand-made launch may set some (a KeyError from setup before)."""
+    if "RANK" not in os.environ:
+        return None  # one process
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        if name not in os.environ:
+            return (f"RANK is set but {name} is not: torchrun sets RANK, WORLD_SIZE and LOCAL_RANK together "
+                    f"(unset RANK to run one process)")
+        if not re.fullmatch(r"[0-9]+", os.environ[name].strip()):
+            return f"{name}={os.environ[name]!r}: torchrun's {name} is a count (0, 1, ...)"
+    if env_int("RANK") >= env_int("WORLD_SIZE"):
+        return f"RANK={env_int('RANK')} with WORLD_SIZE={env_int('WORLD_SIZE')}: RANK must be below WORLD_SIZE"
+    return None
+
+
 def setup(cfg):
     """The device (--device, or the best one present) and, under torchrun, the process group."""
     device = cfg.device if cfg.device != "auto" else (
         "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu")
     if "RANK" not in os.environ:
         return Layout(ddp=False, rank=0, world=1, device=device)
-    rank, world, local_rank = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    rank, world, local_rank = (env_int(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
     if sys.platform == "linux":  # a SIGKILLed torchrun leaves its workers training: SIGTERM them (they save)
         import ctypes
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG

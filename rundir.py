@@ -50,7 +50,7 @@ def run_main(train, argv, usage):
     """train.py's command line: flags -> TrainConfig (or a checkpoint's, with --resume), checked, the
     out_dir locked, then train(cfg, ckpt). Errors become one line and an exit code."""
     lock = made = None
-    rank = int(os.environ.get("RANK", 0))  # torchrun's; errors are printed once, by rank 0
+    rank = distributed.env_int("RANK")  # torchrun's; errors are printed once, by rank 0
     try:
         cfg, given = parse_args(sys.argv[1:] if argv is None else argv, usage=usage)
         if cfg.init_from and "model_size" in given:
@@ -68,7 +68,7 @@ def run_main(train, argv, usage):
     except ValueError as e:  # bad input: one clear line, exit 2, nothing saved is touched
         if rank == 0:  # once, not once per DDP rank: most bad input is the same on every rank
             sys.stderr.write(f"error: {e}\n")
-        elif isinstance(e, RankError) or int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        elif isinstance(e, RankError) or distributed.env_int("LOCAL_RANK") == 0:
             sys.stderr.write(f"error (rank {rank}): {e}\n")  # its own GPU; another node's disk
         sys.exit(2)
     except (Diverged, SaveFailed) as e:

@@ -183,6 +183,22 @@ def test_a_fixed_cuda_device_under_torchrun_is_refused(corpus, cache, tmp_path, 
     one_error(err, "--device", "cuda:LOCAL_RANK")
 
 
+@pytest.mark.parametrize("env, needle", [
+    ({"RANK": "0"}, "RANK is set but WORLD_SIZE is not"),  # a stray `export RANK=0`: a KeyError traceback before
+    ({"RANK": "0", "WORLD_SIZE": "1"}, "RANK is set but LOCAL_RANK is not"),
+    ({"RANK": "abc", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}, "RANK='abc'"),  # a ValueError traceback, outside the try
+    ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "abc"}, "LOCAL_RANK='abc'"),  # "invalid literal for int()"
+    ({"RANK": "0", "WORLD_SIZE": "0", "LOCAL_RANK": "0"}, "RANK must be below WORLD_SIZE")])
+def test_a_half_set_torchrun_environment_is_one_error_line(corpus, cache, tmp_path, capsys, monkeypatch, env, needle):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    code, _, err = run_main(flags(corpus, cache, tmp_path / "run"), capsys)
+    assert code == 2 and not (tmp_path / "run").exists()
+    one_error(err, needle)
+
+
 def test_help_shows_the_chosen_preset(capsys):
     code, out, _ = run_main(["--preset", "small", "--help"], capsys)
     row = next(line for line in out.splitlines() if line.strip().startswith("--preset "))
@@ -1360,6 +1376,7 @@ def test_a_lost_peer_is_one_line_and_exit_1_and_an_own_error_keeps_its_traceback
     argv = [str(a) for a in flags(corpus, cache, tmp_path / "run")]
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")  # torchrun sets all three (config.validate refuses a half-set one)
 
     def peer_died(cfg, ckpt):
         raise RuntimeError("[pair.cc:537] Read error [127.0.0.1]:10165: Connection reset by peer. This is typically")
