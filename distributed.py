@@ -4,8 +4,9 @@ The algorithm does not need this module: on one process it reduces to "cpu or cu
 guarantees (test_train.py's DDP, torchrun-SIGTERM and SIGKILL tests; test_reliability.py's signal tests):
 - torchrun's RANK / WORLD_SIZE / LOCAL_RANK give each process its GPU (NCCL) or a gloo CPU group;
 - a dead rank fails the others' next collective at once (one `error (rank N):` line each, by rundir.run_main),
-  a frozen one after DDP_TIMEOUT (never a hang), and the ranks that wait while rank 0 (or a node with its own
-  --cache_dir) tokenizes a corpus wait up to DATA_TIMEOUT on their own group;
+  a frozen one after DDP_TIMEOUT (never a hang), as does a rendezvous that a process never joins (one line),
+  and the ranks that wait while rank 0 (or a node with its own --cache_dir) tokenizes a corpus wait up to
+  DATA_TIMEOUT on their own group;
 - SIGINT / SIGTERM stop a run between two steps, never inside one, and every rank stops after the same
   step (a tiny gloo all-reduce each step); a second Ctrl-C stops at once (under torchrun it reaches only
   torchrun, which passes on a SIGTERM: the workers still save); a SIGKILLed torchrun takes its workers
@@ -85,7 +86,12 @@ def setup(cfg):
     if device == "cuda":
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(device)
-    dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo", timeout=DDP_TIMEOUT)
+    try:
+        dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo", timeout=DDP_TIMEOUT)
+    except dist.DistError as e:  # after DDP_TIMEOUT: a process that never started, another MASTER_ADDR / MASTER_PORT
+        raise ValueError(f"torchrun's rendezvous at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} "
+                         f"failed ({str(e).strip().splitlines()[0].rstrip('.')}): all WORLD_SIZE={world} processes must start, "
+                         f"with the same MASTER_ADDR and MASTER_PORT") from None
     return Layout(ddp=True, rank=rank, world=world, device=device,
                   data_group=dist.new_group(backend="gloo", timeout=DATA_TIMEOUT),
                   stop_group=dist.new_group(backend="gloo", timeout=DDP_TIMEOUT))  # agreeing on a stop, on the CPU

@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -197,6 +198,24 @@ def test_a_half_set_torchrun_environment_is_one_error_line(corpus, cache, tmp_pa
     code, _, err = run_main(flags(corpus, cache, tmp_path / "run"), capsys)
     assert code == 2 and not (tmp_path / "run").exists()
     one_error(err, needle)
+
+
+@pytest.mark.slow
+def test_a_torchrun_process_that_never_joins_is_one_error_line(corpus, cache, tmp_path):
+    # WORLD_SIZE=2 and no second process (it never started, or has another MASTER_PORT): the rendezvous times out
+    # after DDP_TIMEOUT (here 3 s), which was torch's DistStoreError traceback
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = ("import datetime, sys, distributed; distributed.DDP_TIMEOUT = datetime.timedelta(seconds=3); "
+              "import train; train.main(sys.argv[1:])")
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port)}
+    proc = subprocess.run([sys.executable, "-c", script, *map(str, flags(corpus, cache, tmp_path / "run"))], cwd=HERE,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and not (tmp_path / "run").exists(), proc.stderr
+    one_error(proc.stderr, f"torchrun's rendezvous at 127.0.0.1:{port} failed", "1/2 clients joined",
+              "all WORLD_SIZE=2 processes must start")
 
 
 def test_help_shows_the_chosen_preset(capsys):
