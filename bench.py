@@ -68,7 +68,7 @@ from losses import LOSSES, eligible_positions
 from hf_io import config_to_hf
 from model import Bert, BertConfig, MODEL_PRESETS
 from config import Parser, TrainConfig, dir_problem, pool_problem
-from monitor import gpu_peak_flops, objective_flops_per_token
+from monitor import Console, gpu_peak_flops, objective_flops_per_token
 from train import Pretrainer, configure_optimizer
 
 
@@ -579,4 +579,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    sys.stdout, sys.stderr = Console(sys.stdout), Console(sys.stderr)  # a closed `| head` does not lose --json
     sys.exit(1 if any("error" in r for r in main()) else 0)

@@ -53,6 +53,7 @@ from glue_scores import AVG8, AVG9, MAIN, glue_table, like_for_like, score
 from glue_tasks import SUBMISSIONS, TASKS, TaskMissing, load_task
 from hf_io import config_to_hf, still_training, write_atomic, write_hf_dir
 from model import Bert
+from monitor import Console
 from rundir import locked, move_aside
 
 # ----------------------------------------------------------------------------------------------
@@ -738,4 +739,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    sys.stdout, sys.stderr = Console(sys.stdout), Console(sys.stderr)  # a closed `| head` does not stop fine-tuning
     main()

@@ -6,6 +6,7 @@ import ast
 import copy
 import errno
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -27,6 +28,7 @@ import losses
 import model
 import rundir
 import train
+from monitor import Console
 from test_train import write_corpus, read_log
 
 HERE = Path(__file__).resolve().parent
@@ -641,6 +643,40 @@ def test_a_full_disk_inside_the_safetensors_export_is_one_error_line(corpus, cac
     assert code == 1
     one_error(err, "cannot save step 5", "StorageFull", "ckpt.pt keeps step 5")
     assert not [p for p in (tmp_path / "run").iterdir() if ".tmp" in p.name]
+
+
+def test_the_console_outlives_a_stream_it_cannot_write_and_escapes_what_its_encoding_lacks():
+    class Full(io.StringIO):  # `> /dev/full`, a lost terminal: an OSError on every write (a BrokenPipeError is one)
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+    console = Console(Full())
+    assert console.write("step 5\n") == 7 and console.flush() is None  # the run goes on; log.jsonl has the line
+    assert Console(None).write("started with >&-\n") == 17 and Console(None).isatty() is False
+    ascii_console = io.TextIOWrapper(io.BytesIO(), encoding="ascii")  # PYTHONIOENCODING=ascii, a C locale
+    console = Console(ascii_console)
+    console.write("In out/caf\u00e9: TACO \u00a75.2 \u00d7 2\n")  # a path; --help's \u00a7: a UnicodeEncodeError
+    console.flush()
+    assert ascii_console.buffer.getvalue() == b"In out/caf\\xe9: TACO \\xa75.2 \\xd7 2\n"
+
+
+@pytest.mark.slow
+def test_a_console_that_cannot_take_the_output_stops_no_script(corpus, cache, tmp_path):
+    # each used to end in a traceback or an `error:` exit 2, train.py's before its first checkpoint, bench.py's
+    # before writing --json: stdout on a full disk, and an ascii console shown a non-ASCII path or --help's \u00a7
+    env = {**os.environ, "PYTHONIOENCODING": "ascii"}
+    run = lambda *cmd: subprocess.run([sys.executable, *map(str, cmd)], cwd=HERE, env=env, stdout=full,
+                                      stderr=subprocess.PIPE, text=True, timeout=300)
+    with open("/dev/full", "w") as full:
+        done = run("train.py", *flags(corpus, cache, tmp_path / "caf\u00e9", max_steps=10, log_interval=1))
+        assert done.returncode == 0 and torch.load(tmp_path / "caf\u00e9" / "ckpt.pt", weights_only=True)["step"] == 10, \
+            done.stderr
+        for cmd in (["train.py", "--help"], ["eval.py", "--plot_log", tmp_path / "caf\u00e9" / "log.jsonl", "--out",
+                                             tmp_path / "curves"],
+                    ["bench.py", "--model_size", "tiny", "--device", "cpu", "--objectives", "mlm", "--batch_size", "2",
+                     "--seq_len", "16", "--steps", "1", "--warmup", "0", "--json", tmp_path / "bench.json"]):
+            done = run(*cmd)
+            assert done.returncode == 0 and done.stderr == "", (cmd, done.stderr)
+    assert (tmp_path / "curves" / "training_curves.md").exists() and (tmp_path / "bench.json").exists()
 
 
 def test_resume_of_a_missing_path_and_of_a_run_with_no_checkpoint_say_which(tmp_path, capsys):
