@@ -276,8 +276,11 @@ def run_parallel(calls, jobs, env):
             for line in proc.stdout:
                 log.write(line)
                 with lock:
-                    sys.stdout.write(f"[{prefix}] {line}" if tag else line)
-                    sys.stdout.flush()
+                    try:
+                        sys.stdout.write(f"[{prefix}] {line}" if tag else line)
+                        sys.stdout.flush()
+                    except OSError:  # our reader is gone (a `| head` that exited): this thread reads on, into the log,
+                        pass  # or the call would block for good on its full pipe, and its log would end here
 
     def forward(signum, frame):
         stop.append(signum)

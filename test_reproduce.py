@@ -261,6 +261,22 @@ def test_a_run_is_finished_when_its_export_holds_the_last_step(tmp_path):
     assert reproduce.run_finished(str(run), 20)  # the export alone decides (ckpt.pt is written before it)
 
 
+def test_a_reader_of_our_output_that_exits_neither_blocks_a_call_nor_ends_its_log(tmp_path):
+    # `reproduce.py | head`: the thread teeing a call's output died on the broken pipe, so nothing read the call's
+    # pipe any more: its log ended there, and a call that printed another 64 KiB blocked on it for good (a hang)
+    chatty = [sys.executable, "-c", "for i in range(3000): print('x' * 100, i, flush=True)"]
+    parent = f"import sys, reproduce; reproduce.run_cmd({chatty!r}, sys.argv[1], False)"
+    proc = subprocess.Popen([sys.executable, "-c", parent, str(tmp_path / "call.out")], cwd=HERE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().startswith("$ ")
+        proc.stdout.close()  # the reader exits
+        assert proc.wait(timeout=60) == 0, proc.stderr.read()
+    finally:
+        proc.kill()
+    assert len((tmp_path / "call.out").read_text().splitlines()) == 3000
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux's")
 def test_a_killed_reproduce_takes_its_child_along(tmp_path):
