@@ -428,6 +428,8 @@ def dir_problem(path):
         return "is an existing file, not a directory"
     parent = os.path.abspath(path)
     while not os.path.exists(parent):
+        if os.path.islink(parent):  # dangling: os.makedirs fails on it with "File exists"
+            return f"cannot be created: {parent} is a symbolic link to {os.readlink(parent)}, which does not exist"
         parent = os.path.dirname(parent)
     try:  # a real write, not os.access: root passes that check where /sys, /proc or a read-only mount refuse
         with tempfile.TemporaryFile(dir=parent):  # nameless on Linux (O_TMPFILE): a kill leaves no probe file

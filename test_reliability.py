@@ -128,6 +128,17 @@ def test_a_lock_that_cannot_be_opened_is_one_error_line(corpus, cache, tmp_path,
     one_error(err, "cannot open the lock file")
 
 
+def test_a_dangling_symlink_as_out_dir_or_cache_dir_is_one_error_line(corpus, cache, tmp_path, capsys):
+    # os.makedirs fails on it with "[Errno 17] File exists" (train.py: exit 1; eval.py --out: a traceback)
+    (tmp_path / "link").symlink_to(tmp_path / "gone")
+    for argv, name in ((flags(corpus, cache, tmp_path / "link"), "--out_dir"),
+                       (flags(corpus, cache, tmp_path / "link" / "run"), "--out_dir"),
+                       (flags(corpus, tmp_path / "link", tmp_path / "run"), "--cache_dir")):
+        code, _, err = run_main(argv, capsys)
+        assert code == 2 and not (tmp_path / "gone").exists() and not (tmp_path / "run").exists()
+        one_error(err, name, f"{tmp_path / 'link'} is a symbolic link to {tmp_path / 'gone'}, which does not exist")
+
+
 def test_more_torchrun_processes_than_gpus_is_one_error_line(corpus, cache, tmp_path, capsys, monkeypatch):
     # torchrun --nproc_per_node=2 on a 1-GPU machine: rank 1 would die in cuda.set_device("cuda:1")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
