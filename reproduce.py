@@ -1023,6 +1023,9 @@ def check_settings(args):
 
 
 def main(argv=None):
+    for stream in (sys.stdout, sys.stderr):  # a console without them (PYTHONIOENCODING=ascii, a non-UTF-8 locale):
+        if hasattr(stream, "reconfigure"):  # results.md's "±", a path's "é" print as \xe9, not a UnicodeEncodeError
+            stream.reconfigure(errors="backslashreplace")
     try:
         reproduce(parse(argv))
     except KeyboardInterrupt:  # between subprocesses (run_cmd passes it to one while it runs): every write is atomic

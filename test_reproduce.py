@@ -261,6 +261,16 @@ def test_a_run_is_finished_when_its_export_holds_the_last_step(tmp_path):
     assert reproduce.run_finished(str(run), 20)  # the export alone decides (ckpt.pt is written before it)
 
 
+def test_an_ascii_console_shows_a_non_ascii_path_escaped(tmp_path):
+    # the "$ python train.py ... --out_dir .../caf\u00e9/mlm" line was a UnicodeEncodeError traceback, and so was
+    # results.md printed at the end of every reproduction ("\u00b1", "\u2192")
+    out = tmp_path / "caf\u00e9"
+    done = subprocess.run([sys.executable, "reproduce.py", "--scale", "toy", "--objectives", "mlm", "--out_dir", str(out),
+                           "--only", "pretrain", "--dry_run"], cwd=HERE, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONIOENCODING": "ascii"}, timeout=120)
+    assert done.returncode == 0 and f"--out_dir {tmp_path}/caf\\xe9/mlm" in done.stdout, done.stderr
+
+
 def test_a_reader_of_our_output_that_exits_neither_blocks_a_call_nor_ends_its_log(tmp_path):
     # `reproduce.py | head`: the thread teeing a call's output died on the broken pipe, so nothing read the call's
     # pipe any more: its log ended there, and a call that printed another 64 KiB blocked on it for good (a hang)
