@@ -199,6 +199,9 @@ def parse_args(argv, usage=None):
         given["data"] = data_path(given["data"])
     if "cache_dir" in given:  # absolute, as data: a resume or `eval.py --analysis` from elsewhere reuses the cache
         given["cache_dir"] = os.path.abspath(os.path.expanduser(given["cache_dir"]))
+    for name in ("out_dir", "resume", "init_from", "tokenizer"):  # ~ as in data and cache_dir: the shell leaves
+        if name in given:  # `--out_dir=~/runs` alone, which made a folder named ~ in the working directory
+            given[name] = os.path.expanduser(given[name])
     cfg = replace(TrainConfig(), **{**PRESETS[preset], **given})
     cfg.cache_dir = os.path.abspath(os.path.expanduser(cfg.cache_dir))
     if "warmup_steps" not in given and cfg.warmup_steps > cfg.max_steps:  # a short run of a preset: 10% warm-up

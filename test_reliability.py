@@ -139,6 +139,18 @@ def test_a_dangling_symlink_as_out_dir_or_cache_dir_is_one_error_line(corpus, ca
         one_error(err, name, f"{tmp_path / 'link'} is a symbolic link to {tmp_path / 'gone'}, which does not exist")
 
 
+def test_a_tilde_in_out_dir_is_home_as_in_data_and_cache_dir(corpus, cache, tmp_path, capsys, monkeypatch):
+    # bash expands ~ in `--out_dir ~/run` but not in `--out_dir=~/run`: train.py expanded --data's and --cache_dir's,
+    # and made a folder named ~ in the working directory for --out_dir's
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir((tmp_path / "cwd").mkdir() or tmp_path / "cwd")
+    argv = flags(corpus, cache, "~/run", max_steps=2, ckpt_interval=2)
+    code, _, err = run_main(argv, capsys)
+    assert code == 0 and (tmp_path / "home" / "run" / "ckpt.pt").exists() and not os.listdir(tmp_path / "cwd"), err
+    code, out, err = run_main(["--resume=~/run", "--max_steps", "3"], capsys)
+    assert code == 0 and torch.load(tmp_path / "home" / "run" / "ckpt.pt", weights_only=True)["step"] == 3, err
+
+
 def test_more_torchrun_processes_than_gpus_is_one_error_line(corpus, cache, tmp_path, capsys, monkeypatch):
     # torchrun --nproc_per_node=2 on a 1-GPU machine: rank 1 would die in cuda.set_device("cuda:1")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
