@@ -540,6 +540,21 @@ def test_a_full_cache_disk_blames_the_cache_not_the_corpus(tmp_path, monkeypatch
     assert "no space left on the device of the cache" in message and "--cache_dir" in message, message
 
 
+def test_a_datasets_cache_that_cannot_be_written_blames_the_cache_not_the_corpus(tmp_path, monkeypatch):
+    import errno
+    import datasets
+
+    def read_only(*args, **kwargs):  # --cache_dir's hf folder read-only (a cache shared with another user)
+        raise PermissionError(errno.EACCES, "Permission denied", str(tmp_path / "hf" / "text_default.lock"))
+    monkeypatch.setattr(datasets, "load_dataset", read_only)
+    (tmp_path / "good.txt").write_text("fine text\n")
+    with pytest.raises(ValueError) as info:  # was "cannot read good.txt as text: PermissionError: ..."
+        corpus._load_local(datasets, "text", {"train": str(tmp_path / "good.txt")}, str(tmp_path / "hf"))
+    message = str(info.value)
+    assert message.startswith(f"datasets cannot write its cache {tmp_path / 'hf'} (Permission denied: ") and \
+        "pass a writable --cache_dir" in message, message
+
+
 def test_the_cache_keys_on_the_tokenizer_and_the_vocab_size(tok_dir, tmp_path):
     # one corpus, one cache, two vocabulary sizes and a given tokenizer: never each other's files
     path = tmp_path / "a.txt"
