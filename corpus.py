@@ -157,15 +157,20 @@ def _decompressed(f, hf_cache):
     tmp = f"{plain}.{os.getpid()}.tmp"
     try:
         with DECOMPRESS[Path(f).suffix](f, "rb") as src, open(tmp, "wb") as dst:
-            shutil.copyfileobj(src, dst, 1 << 20)
-    except (EOFError, OSError, lzma.LZMAError) as e:  # truncated or not that format (gzip, bz2: OSError)
+            while True:
+                try:
+                    chunk = src.read(1 << 20)
+                except (EOFError, OSError, lzma.LZMAError) as e:  # truncated, or not that format (gzip, bz2: OSError)
+                    raise ValueError(f"cannot read {f} as text: not a readable {Path(f).suffix} file "
+                                     f"({first_line(e)})") from None
+                if not chunk:
+                    break
+                dst.write(chunk)  # an OSError here is the cache's: _load_local says so
+        os.utime(tmp, ns=(os.stat(f).st_mtime_ns,) * 2)
+        os.replace(tmp, plain)  # atomic: a concurrent run writes the same text
+    finally:
         if os.path.exists(tmp):
             os.remove(tmp)
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EFBIG):
-            raise  # the cache's disk: _load_local says so
-        raise ValueError(f"cannot read {f} as text: not a readable {Path(f).suffix} file ({first_line(e)})") from None
-    os.utime(tmp, ns=(os.stat(f).st_mtime_ns,) * 2)
-    os.replace(tmp, plain)  # atomic: a concurrent run writes the same text
     return str(plain)
 
 
@@ -174,9 +179,11 @@ def _load_local(datasets, builder, split_files, hf_cache):
     try:
         escaped = {name: _decompressed(f, hf_cache) if builder == "text" and Path(f).suffix in DECOMPRESS
                    else _plain_path(f, hf_cache) for name, f in split_files.items()}
-    except OSError as e:  # ENOSPC or EFBIG from _decompressed
-        raise ValueError(f"no space left on the device of the cache {hf_cache} while decompressing "
-                         f"{', '.join(split_files.values())}: free some, or pass --cache_dir elsewhere") from None
+    except OSError as e:  # writing our copy or link into the cache: a full disk, a read-only folder
+        full = e.errno in (errno.ENOSPC, errno.EFBIG)
+        raise ValueError(f"{'no space left on the device of' if full else 'cannot write'} the cache {hf_cache} "
+                         f"({e.strerror}: {e.filename}) while preparing {', '.join(split_files.values())}: "
+                         f"{'free some, or ' if full else ''}pass --cache_dir elsewhere") from None
     # a BOM dropped, as read_text does: kept, it hid a WikiExtractor file's first <doc ...> line from pieces
     options = dict(encoding="utf-8-sig") if builder == "text" else {}
     try:

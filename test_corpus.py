@@ -540,6 +540,16 @@ def test_a_full_cache_disk_blames_the_cache_not_the_corpus(tmp_path, monkeypatch
     assert "no space left on the device of the cache" in message and "--cache_dir" in message, message
 
 
+def test_a_cache_that_cannot_take_the_decompressed_copy_is_blamed_not_the_corpus(tmp_path):
+    # compressed text is decompressed into CACHE_DIR/hf/plain first: a cache that cannot take it is the cache's fault
+    (tmp_path / "a.txt.gz").write_bytes(gzip.compress(b"fine text\n"))
+    (tmp_path / "cache" / "hf").mkdir(parents=True)
+    (tmp_path / "cache" / "hf" / "plain").write_text("a file where the folder goes")
+    with pytest.raises(ValueError, match=r"^cannot write the cache .*hf \(File exists: .*plain\) while preparing "
+                                         r".*a.txt.gz: pass --cache_dir elsewhere$"):
+        corpus.load_corpus(str(tmp_path / "a.txt.gz"), [tmp_path / "a.txt.gz"], tmp_path / "cache")
+
+
 def test_a_datasets_cache_that_cannot_be_written_blames_the_cache_not_the_corpus(tmp_path, monkeypatch):
     import errno
     import datasets
