@@ -249,7 +249,10 @@ def release_lock(lock):
         os.remove(lock.name)
     except OSError:
         pass
-    lock.close()
+    try:  # on a full disk the "pid host" take_lock could not write is still buffered: closing fails to flush it
+        lock.close()  # (the file is closed all the same, so the lock is released)
+    except OSError:
+        pass
 
 
 @contextmanager

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -651,6 +652,29 @@ def test_a_full_disk_anywhere_is_one_error_line_and_keeps_the_last_checkpoint(co
     assert hf_io.load_checkpoint_file(str(out_dir / "ckpt.pt"))["step"] == 10
     code, _, err = run_main(["--resume", out_dir], capsys)  # room again: it goes on from step 10
     assert code == 0, err
+
+
+@contextmanager
+def file_size_limit(size):
+    """Writes past `size` bytes fail (EFBIG) in this process, as they would on a full disk: a write the OS
+    refuses, rather than a patched function (Python ignores SIGXFSZ, so it is an OSError)."""
+    resource = pytest.importorskip("resource")
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+def test_a_run_started_on_a_full_disk_is_one_error_line(corpus, cache, tmp_path, capsys):
+    # the .lock's "pid host" cannot be written either: it stayed in the file's buffer, and closing the lock at
+    # the end tried to write it again, a traceback after the error line
+    data.prepare_data(str(corpus), str(cache), vocab_size=200)  # the cache is made: the run's first write fails
+    with file_size_limit(0):
+        code, _, err = run_main(flags(corpus, cache, tmp_path / "run"), capsys)
+    assert code == 1
+    one_error(err, "File too large")
 
 
 def test_a_full_disk_inside_the_safetensors_export_is_one_error_line(corpus, cache, tmp_path, capsys, monkeypatch):
