@@ -481,9 +481,11 @@ def replace_atomic(path, write, tmp=None):
         with open(tmp, "rb+") as f:  # rb+: Windows' fsync wants a writable handle; nothing is truncated
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if os.path.isfile(tmp):
             os.remove(tmp)
+        if isinstance(e, OSError) and e.errno and e.filename is None:  # a write the disk refused names no file
+            e.filename = path
         raise
 
 

@@ -674,7 +674,12 @@ def test_a_run_started_on_a_full_disk_is_one_error_line(corpus, cache, tmp_path,
     with file_size_limit(0):
         code, _, err = run_main(flags(corpus, cache, tmp_path / "run"), capsys)
     assert code == 1
-    one_error(err, "File too large")
+    one_error(err, "File too large", str(tmp_path / "run" / "tokenizer.json"))  # which file: not only "[Errno 27]"
+
+    def refused(tmp):
+        raise OSError("encoder error -2 when writing image file")  # PIL's, with no errno: left as it is
+    with pytest.raises(OSError, match="^encoder error -2 when writing image file$"):
+        hf_io.replace_atomic(str(tmp_path / "plot.png"), refused)
 
 
 def test_a_full_disk_inside_the_safetensors_export_is_one_error_line(corpus, cache, tmp_path, capsys, monkeypatch):
