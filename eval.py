@@ -733,6 +733,9 @@ def main(argv=None):
     except (ValueError, FileNotFoundError) as e:  # bad flag, bad checkpoint, malformed TSV: one line
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except OSError as e:  # a write the system refused (a full disk): the file it names keeps its last whole version
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
     except KeyboardInterrupt as e:
         print("interrupted" + (f": {e}" if str(e) else ""), file=sys.stderr)
         sys.exit(130)

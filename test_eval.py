@@ -929,6 +929,29 @@ def test_a_stopped_run_keeps_the_tasks_it_finished(tmp_path, tiny_model_dir, mon
     assert "Not run: stsb, mrpc" in (out / "glue.md").read_text()
 
 
+def test_a_full_disk_is_one_error_line_and_keeps_the_earlier_glue_json(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    # glue.json or a plot that the disk refused was an OSError eval.py did not catch: a traceback
+    resource = pytest.importorskip("resource")
+    monkeypatch.setattr(ev, "finetune", lambda base, task, *args: (torch.nn.Linear(1, 1), [
+        dict(scores=dict(mcc=42.0), collapsed=False)]))
+    argv = ["--model", str(tiny_model_dir), "--glue_dir", str(write_glue(tmp_path / "glue")), "--tasks", "cola",
+            "--out", str(tmp_path / "out")]
+    ev.main(argv)
+    earlier = (tmp_path / "out" / "glue.json").read_bytes()
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (0, hard))  # every write fails (EFBIG), as on a full disk
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            ev.main(argv)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and "File too large" in err and "glue.json" in err, err
+    assert (tmp_path / "out" / "glue.json").read_bytes() == earlier
+    assert sorted(os.listdir(tmp_path / "out")) == ["glue.json", "glue.md"]  # no temporary file, no lock left
+
+
 class Killed(Exception):
     """Where a SIGKILL would have stopped the process."""
 
