@@ -195,8 +195,11 @@ def _load_local(datasets, builder, split_files, hf_cache):
         chain = [e]
         while len(chain) < 8 and (chain[-1].__cause__ or chain[-1].__context__):  # datasets wraps what it hit
             chain.append(chain[-1].__cause__ or chain[-1].__context__)
-        if any(isinstance(x, OSError) and x.errno == errno.ENOSPC for x in chain):  # the cache's disk, not the corpus
-            raise ValueError(f"no space left on the device of the cache {hf_cache} while datasets read "
+        # the cache's disk, not the corpus: full, over a quota, or past a file-size limit (ulimit -f)
+        full = next((x for x in chain if isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT,
+                                                                                  errno.EFBIG)), None)
+        if full:
+            raise ValueError(f"no space left for the cache {hf_cache} ({full.strerror}) while datasets read "
                              f"{', '.join(split_files.values())}: free some, or pass --cache_dir elsewhere") from None
         # a file of datasets' own in the cache (read-only, a path too long), not one of _plain_path's links to the corpus
         cache, links = os.path.join(os.path.abspath(hf_cache), ""), os.path.join(os.path.abspath(hf_cache), "links", "")

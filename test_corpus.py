@@ -523,13 +523,14 @@ def test_read_text_of_a_broken_xz_is_one_clear_error(tmp_path, content):
         corpus.read_text(tmp_path / "t.txt.xz")
 
 
-def test_a_full_cache_disk_blames_the_cache_not_the_corpus(tmp_path, monkeypatch):
+@pytest.mark.parametrize("code", ["ENOSPC", "EDQUOT", "EFBIG"])  # a full disk, a quota, ulimit -f: each blamed the corpus
+def test_a_full_cache_disk_blames_the_cache_not_the_corpus(tmp_path, monkeypatch, code):
     import errno
     import datasets
 
     def full_disk(*args, **kwargs):  # datasets wraps what it hit while writing its arrow cache
         try:
-            raise OSError(errno.ENOSPC, "No space left on device")
+            raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
         except OSError as e:
             raise datasets.exceptions.DatasetGenerationError("An error occurred while generating the dataset") from e
     monkeypatch.setattr(datasets, "load_dataset", full_disk)
@@ -537,7 +538,8 @@ def test_a_full_cache_disk_blames_the_cache_not_the_corpus(tmp_path, monkeypatch
     with pytest.raises(ValueError) as info:
         corpus._load_local(datasets, "text", {"train": str(tmp_path / "good.txt")}, str(tmp_path / "hf"))
     message = str(info.value)
-    assert "no space left on the device of the cache" in message and "--cache_dir" in message, message
+    assert "no space left for the cache" in message and "--cache_dir" in message, message
+    assert os.strerror(getattr(errno, code)) in message and "cannot read" not in message, message
 
 
 def test_a_cache_that_cannot_take_the_decompressed_copy_is_blamed_not_the_corpus(tmp_path):
