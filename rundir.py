@@ -297,7 +297,12 @@ def remove_partial_writes(out_dir):
 
 
 def atomic_save(obj, path):
-    replace_atomic(path, lambda tmp: torch.save(obj, tmp))
+    try:
+        replace_atomic(path, lambda tmp: torch.save(obj, tmp))
+    except RuntimeError as e:  # torch.save's words for a write the disk refused ("unexpected pos 704 vs 598",
+        # "iostream error") lose the system's reason: say which file, and what most likely stopped it
+        raise OSError(f"torch.save could not write {os.path.basename(path)}: is the disk full, or a file-size limit "
+                      f"reached? (torch: {(str(e).splitlines() or [''])[0][:120]})") from None
 
 
 def data_fingerprint(train_tokens, val_tokens):

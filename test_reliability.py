@@ -682,6 +682,17 @@ def test_a_run_started_on_a_full_disk_is_one_error_line(corpus, cache, tmp_path,
         hf_io.replace_atomic(str(tmp_path / "plot.png"), refused)
 
 
+def test_a_checkpoint_the_disk_cuts_short_names_the_file_and_the_likely_cause(corpus, cache, tmp_path, capsys):
+    # torch.save says "unexpected pos 15296 vs 15190" or "basic_ios::clear: iostream error": the reason was lost
+    data.prepare_data(str(corpus), str(cache), vocab_size=200)
+    out_dir = tmp_path / "run"
+    with file_size_limit(100_000):  # the tokenizer files and log.jsonl fit, ckpt.pt does not
+        code, _, err = run_main(flags(corpus, cache, out_dir, max_steps=10), capsys)
+    assert code == 1
+    one_error(err, "cannot save step 10", "could not write ckpt.pt: is the disk full", "no ckpt.pt yet")
+    assert sorted(p.name for p in out_dir.iterdir() if "ckpt" in p.name or "safetensors" in p.name) == []
+
+
 def test_a_full_disk_inside_the_safetensors_export_is_one_error_line(corpus, cache, tmp_path, capsys, monkeypatch):
     # safetensors reports a failed write as its own SafetensorError, not an OSError
     import safetensors.torch
