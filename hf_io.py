@@ -451,6 +451,7 @@ def still_training(path):
 def write_hf_dir(out_dir, state, hf_config, metadata, tokenizer_dir=None):
     """A Hugging Face model directory: model.safetensors, config.json and the tokenizer files copied
     from tokenizer_dir, each written atomically (Bert.save_pretrained, eval.py's fine-tuned models)."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
     os.makedirs(out_dir, exist_ok=True)
     umask = os.umask(0)
@@ -459,7 +460,10 @@ def write_hf_dir(out_dir, state, hf_config, metadata, tokenizer_dir=None):
     metadata = {**metadata, "weights_sha1": _weights_sha1(state)}  # checked on loading
 
     def write_weights(tmp):
-        save_file(state, tmp, metadata=metadata)
+        try:
+            save_file(state, tmp, metadata=metadata)
+        except SafetensorError as e:  # its own error for a write the disk refused, which eval.py's OSError line catches
+            raise OSError(f"safetensors could not write {os.path.join(out_dir, 'model.safetensors')}: {e}") from None
         os.chmod(tmp, 0o666 & ~umask)  # safetensors writes 0600; the other files get the umask's mode
     replace_atomic(os.path.join(out_dir, "model.safetensors"), write_weights)
     write_atomic(os.path.join(out_dir, "config.json"), json.dumps(hf_config, indent=2))

@@ -6,6 +6,7 @@ from dataclasses import asdict
 import math
 import os
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -929,27 +930,46 @@ def test_a_stopped_run_keeps_the_tasks_it_finished(tmp_path, tiny_model_dir, mon
     assert "Not run: stsb, mrpc" in (out / "glue.md").read_text()
 
 
+@contextmanager
+def file_size_limit(size):
+    """Writes past `size` bytes fail (EFBIG) in this process, as on a full disk (Python ignores SIGXFSZ)."""
+    resource = pytest.importorskip("resource")
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
 def test_a_full_disk_is_one_error_line_and_keeps_the_earlier_glue_json(tmp_path, tiny_model_dir, monkeypatch, capsys):
     # glue.json or a plot that the disk refused was an OSError eval.py did not catch: a traceback
-    resource = pytest.importorskip("resource")
     monkeypatch.setattr(ev, "finetune", lambda base, task, *args: (torch.nn.Linear(1, 1), [
         dict(scores=dict(mcc=42.0), collapsed=False)]))
     argv = ["--model", str(tiny_model_dir), "--glue_dir", str(write_glue(tmp_path / "glue")), "--tasks", "cola",
             "--out", str(tmp_path / "out")]
     ev.main(argv)
     earlier = (tmp_path / "out" / "glue.json").read_bytes()
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (0, hard))  # every write fails (EFBIG), as on a full disk
-    try:
-        with pytest.raises(SystemExit) as exit_info:
-            ev.main(argv)
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    with file_size_limit(0), pytest.raises(SystemExit) as exit_info:
+        ev.main(argv)
     assert exit_info.value.code == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err and "File too large" in err and "glue.json" in err, err
     assert (tmp_path / "out" / "glue.json").read_bytes() == earlier
     assert sorted(os.listdir(tmp_path / "out")) == ["glue.json", "glue.md"]  # no temporary file, no lock left
+
+
+def test_a_fine_tuned_model_the_disk_refuses_is_one_error_line(tmp_path, tiny_model_dir, capsys):
+    # --save_model: safetensors reports a refused write as its own SafetensorError, which was a traceback
+    out, glue = tmp_path / "out", write_glue(tmp_path / "glue")
+    with file_size_limit(1000), pytest.raises(SystemExit) as exit_info:
+        ev.main(["--model", str(tiny_model_dir), "--glue_dir", str(glue), "--tasks", "cola", "--epochs", "1",
+                 "--save_model", "--out", str(out)])
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err, err
+    assert f"could not write {out / 'models' / 'CoLA' / 'model.safetensors'}" in err and "File too large" in err, err
+    assert not [p for p in (out / "models" / "CoLA").iterdir() if "tmp" in p.name]
 
 
 class Killed(Exception):
