@@ -42,6 +42,7 @@ BUILDERS = {".txt": "text", ".raw": "text", ".jsonl": "json", ".parquet": "parqu
 COMPRESSIONS = (".xz", ".gz", ".bz2", ".zst")
 DECOMPRESS = {".xz": lzma.open, ".gz": gzip.open, ".bz2": bz2.open}  # .zst: datasets' own (needs zstandard)
 WIKITEXT_HEADING = re.compile(r"^ = [^=].* =\s*$")  # top-level only: " == Section == " stays in the doc
+FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a full disk, a quota, a file-size limit (ulimit -f)
 FILES_PER_LOAD = 25  # files per datasets.load_dataset call (see load_corpus)
 BATCH_ROWS = 2000  # rows per encode_batch call: large enough to keep every core busy
 
@@ -179,9 +180,9 @@ def _load_local(datasets, builder, split_files, hf_cache):
     try:
         escaped = {name: _decompressed(f, hf_cache) if builder == "text" and Path(f).suffix in DECOMPRESS
                    else _plain_path(f, hf_cache) for name, f in split_files.items()}
-    except OSError as e:  # writing our copy or link into the cache: a full disk, a read-only folder
-        full = e.errno in (errno.ENOSPC, errno.EFBIG)
-        raise ValueError(f"{'no space left on the device of' if full else 'cannot write'} the cache {hf_cache} "
+    except OSError as e:  # writing our copy or link into the cache: a full disk, a quota, a read-only folder
+        full = e.errno in FULL
+        raise ValueError(f"{'no space left for' if full else 'cannot write'} the cache {hf_cache} "
                          f"({e.strerror}: {e.filename}) while preparing {', '.join(split_files.values())}: "
                          f"{'free some, or ' if full else ''}pass --cache_dir elsewhere") from None
     # a BOM dropped, as read_text does: kept, it hid a WikiExtractor file's first <doc ...> line from pieces
@@ -196,8 +197,7 @@ def _load_local(datasets, builder, split_files, hf_cache):
         while len(chain) < 8 and (chain[-1].__cause__ or chain[-1].__context__):  # datasets wraps what it hit
             chain.append(chain[-1].__cause__ or chain[-1].__context__)
         # the cache's disk, not the corpus: full, over a quota, or past a file-size limit (ulimit -f)
-        full = next((x for x in chain if isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT,
-                                                                                  errno.EFBIG)), None)
+        full = next((x for x in chain if isinstance(x, OSError) and x.errno in FULL), None)
         if full:
             raise ValueError(f"no space left for the cache {hf_cache} ({full.strerror}) while datasets read "
                              f"{', '.join(split_files.values())}: free some, or pass --cache_dir elsewhere") from None

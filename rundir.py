@@ -299,8 +299,11 @@ def remove_partial_writes(out_dir):
 def atomic_save(obj, path):
     try:
         replace_atomic(path, lambda tmp: torch.save(obj, tmp))
-    except RuntimeError as e:  # torch.save's words for a write the disk refused ("unexpected pos 704 vs 598",
-        # "iostream error") lose the system's reason: say which file, and what most likely stopped it
+    except RuntimeError as e:
+        # torch.save's words for a write the disk refused lose the system's reason: say which file, and what most
+        # likely stopped it (any other RuntimeError is a bug's, and keeps its traceback)
+        if not re.search(r"unexpected pos|iostream error|file write failed", str(e)):
+            raise
         raise OSError(f"torch.save could not write {os.path.basename(path)}: is the disk full, or a file-size limit "
                       f"reached? (torch: {(str(e).splitlines() or [''])[0][:120]})") from None
 
