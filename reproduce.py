@@ -351,10 +351,31 @@ def try_lock(path):
     return f
 
 
+def replace_atomic(path, write, tmp=None):
+    """write(tmp), then os.replace(tmp, path), as hf_io's (not imported: it loads torch): a write the disk refuses
+    removes tmp and names path in its error."""
+    tmp = tmp or path + ".tmp"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except OSError as e:
+        if os.path.isfile(tmp):
+            os.remove(tmp)
+        if e.errno and e.filename is None:
+            e.filename = path
+        raise
+
+
 def save_json(obj, path):
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2)
-    os.replace(path + ".tmp", path)
+    save_text(json.dumps(obj, indent=2), path)
+
+
+def save_text(text, path):
+    """text into path as UTF-8, atomically (replace_atomic)."""
+    def write(tmp):
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+    replace_atomic(path, write)
 
 
 def note_time(run_dir, stage, seconds):
@@ -680,9 +701,11 @@ def plot(results, out_dir):
             if ax.lines:
                 ax.legend(fontsize=8)
         fig.tight_layout()
-        fig.savefig(os.path.join(out_dir, fname + ".tmp.png"), dpi=110)
-        plt.close(fig)
-        os.replace(os.path.join(out_dir, fname + ".tmp.png"), os.path.join(out_dir, fname))
+        try:
+            replace_atomic(os.path.join(out_dir, fname), lambda tmp: fig.savefig(tmp, dpi=110),
+                           tmp=os.path.join(out_dir, fname + ".tmp.png"))  # .png: savefig's format
+        finally:
+            plt.close(fig)
         written.append(fname)
     return written
 
@@ -807,9 +830,7 @@ def report(args, runs):
     pngs = plot(results, args.out_dir)
     save_json(results, os.path.join(args.out_dir, "results.json"))
     text = markdown(results, pngs)
-    with open(os.path.join(args.out_dir, "results.md.tmp"), "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(os.path.join(args.out_dir, "results.md.tmp"), os.path.join(args.out_dir, "results.md"))
+    save_text(text, os.path.join(args.out_dir, "results.md"))
     print(text)
     print(f"wrote {os.path.join(args.out_dir, 'results.md')}, results.json and {len(pngs)} plots")
 
@@ -1031,6 +1052,9 @@ def main(argv=None):
     except KeyboardInterrupt:  # between subprocesses (run_cmd passes it to one while it runs): every write is atomic
         print("reproduce.py: interrupted; rerun the same command to go on", file=sys.stderr)
         sys.exit(130)
+    except OSError as e:  # a write the disk refused (a full disk): the file it names keeps its last whole version
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
 
 
 def reproduce(args):

@@ -703,6 +703,21 @@ def test_a_glue_dir_without_the_tasks_is_refused_before_pretraining(tmp_path):
                for t, task in glue_tasks.TASKS.items())
 
 
+def test_a_full_disk_is_one_error_line_and_leaves_no_temporary_file(tmp_path, capsys):
+    # reproduce.py's own files (reproduce.json, reproduce_time.json, results.json and .md, plots): a write the
+    # disk refused was a traceback, and left its NAME.tmp behind
+    from test_reliability import file_size_limit
+    out = tmp_path / "repro"
+    write_glue(tmp_path / "glue", random.Random(0), rows=4)
+    with file_size_limit(0), pytest.raises(SystemExit) as exit_info:
+        reproduce.main(["--out_dir", str(out), "--glue_dir", str(tmp_path / "glue"), "--only", "report"])
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err, err
+    assert "File too large" in err and str(out / "reproduce.json") in err, err
+    assert sorted(os.listdir(out)) == [".reproduce.lock"]
+
+
 def test_a_dry_run_writes_nothing_and_ctrl_c_is_one_line(tmp_path, monkeypatch, capsys):
     proc = subprocess.run([sys.executable, "reproduce.py", "--dry_run", "--out_dir", str(tmp_path / "repro")],
                           cwd=HERE, capture_output=True, text=True, timeout=60)
