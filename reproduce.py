@@ -272,15 +272,33 @@ def run_parallel(calls, jobs, env):
     tag = len(calls) > 1
 
     def tee(proc, log_path, prefix):
-        with open(log_path, "a", encoding="utf-8") as log:
-            for line in proc.stdout:
-                log.write(line)
-                with lock:
-                    try:
-                        sys.stdout.write(f"[{prefix}] {line}" if tag else line)
-                        sys.stdout.flush()
-                    except OSError:  # our reader is gone (a `| head` that exited): this thread reads on, into the log,
-                        pass  # or the call would block for good on its full pipe, and its log would end here
+        # the pipe is read to its end whatever cannot be written (a full disk under the log, a `| head` that
+        # exited): a call whose output nobody read any more blocked for good once its pipe was full
+        log = problem = None
+        try:
+            log = open(log_path, "a", encoding="utf-8")
+        except OSError as e:
+            problem = e
+        for line in proc.stdout:
+            if not problem:
+                try:
+                    log.write(line)
+                except OSError as e:
+                    problem = e
+            with lock:
+                try:
+                    sys.stdout.write(f"[{prefix}] {line}" if tag else line)
+                    sys.stdout.flush()
+                except OSError:  # our reader is gone: the log still gets every line
+                    pass
+        try:
+            if log:
+                log.close()
+        except OSError as e:
+            problem = problem or e
+        if problem:
+            failed.append(f"cannot write {log_path} ({problem.strerror}): the output of `{' '.join(proc.args)}` "
+                          f"went to the console only")
 
     def forward(signum, frame):
         stop.append(signum)

@@ -718,6 +718,20 @@ def test_a_full_disk_is_one_error_line_and_leaves_no_temporary_file(tmp_path, ca
     assert sorted(os.listdir(out)) == [".reproduce.lock"]
 
 
+def test_a_call_whose_log_the_disk_refuses_is_still_read_to_its_end(tmp_path):
+    # the thread that copies a call's output into its log died at the first write the disk refused: nobody read
+    # the pipe any more, and once it was full the call and reproduce.py waited on each other forever
+    if not os.path.exists("/dev/full"):
+        pytest.skip("needs /dev/full, where every write fails with ENOSPC")
+    noisy = [sys.executable, "-c", "for i in range(2000): print('x' * 100)"]  # 200 KB: more than a pipe holds
+    proc = subprocess.run([sys.executable, "-c", "import sys, reproduce; reproduce.run_parallel([(sys.argv[1:], "
+                           "'/dev/full', None, lambda: None)], 1, None)", *noisy], cwd=HERE, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 1 and proc.stdout.count("x" * 100) == 2000
+    assert proc.stderr.strip().splitlines() == [f"error: cannot write /dev/full (No space left on device): the output "
+                                                f"of `{' '.join(noisy)}` went to the console only"]
+
+
 def test_a_dry_run_writes_nothing_and_ctrl_c_is_one_line(tmp_path, monkeypatch, capsys):
     proc = subprocess.run([sys.executable, "reproduce.py", "--dry_run", "--out_dir", str(tmp_path / "repro")],
                           cwd=HERE, capture_output=True, text=True, timeout=60)
