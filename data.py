@@ -18,10 +18,9 @@ T-2, read in one seeded permutation per epoch.
   Training is deterministic: the same text gives the same vocabulary, ids included (see train_tokenizer).
 
 The machinery lives in support modules that the algorithm does not need: corpus.py reads --data (files,
-globs, compressed files, hub datasets; where documents start; one clear error per bad file), token_files.py
+globs, compressed files, hub datasets; where documents start; one clear error per bad file), and token_files.py
 fixes the tokenizer's alphabet, reads and writes tokenizer files and tokenizes the corpus once into
-cache_dir, reusing that cache only once it has checked it, and glue_tasks.py holds eval.py's GLUE task
-table and readers.
+cache_dir, reusing that cache only once it has checked it.
 """
 import math
 import sys

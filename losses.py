@@ -2,8 +2,8 @@
 Pretraining objectives: MLM (Devlin et al., 2019), TACO (Fu et al., ACL 2022), TaCL (Su et al., NAACL Findings
 2022), COCO-LM (Meng et al., NeurIPS 2021), ELECTRA (Clark et al., ICLR 2020). One nn.Module each, built as
 LOSSES[name](model, cfg) (cfg: config.TrainConfig, with each hyperparameter's default and source) and called as
-`loss, metrics = objective(model, batch, rng)`. Each docstring names its equations; each deviation from an
-official implementation is a comment here and a numbered "fidelity note N" in docs/fidelity.md.
+`loss, metrics = objective(model, batch, rng)`. Each docstring names its equations (or the paper's section); each
+deviation from an official implementation is a comment here and a numbered "fidelity note N" in docs/fidelity.md.
 
 - model is the Bert (or torch.compile(model): attributes pass through); an objective calls model(...) and
   model.mlm_logits(...) but never stores it, so the encoder's weights stay out of objective.state_dict(). What an
@@ -277,7 +277,7 @@ class TACO(nn.Module):
             tc_loss = masked_mean(torch.logsumexp(logits, -1) - logits[..., 0], anchors)
         metrics.update(tc_loss=tc_loss.detach(), pos_cos=masked_mean(pos_cos, anchors).detach(),
                        neg_cos=masked_mean(neg_cos.mean(-1), anchors).detach())
-        return loss + self.weight * tc_loss, metrics  # Eq. 11, with lambda
+        return loss + self.weight * tc_loss, metrics  # Eq. 11 adds the two unweighted: lambda = 1 there
 
 
 class TaCL(nn.Module):
@@ -315,7 +315,7 @@ class TaCL(nn.Module):
         corrupted, positions, labels = mask_tokens(x, model.config, rng, self.mask_prob, attention_mask=attention_mask)
         h = model(corrupted, attention_mask=attention_mask)
         loss, metrics = mlm_loss(model, h, x, positions, labels, attention_mask, self.predict_all)
-        # teacher: the original input, frozen; it needs no fp32 (ours, note 14), bf16 but on pre-Ampere (emulated)
+        # teacher: the original input, frozen; bf16 on GPUs with native bf16, else fp32 (ours, fidelity note 14)
         bf16 = x.is_cuda and torch.cuda.is_bf16_supported(including_emulation=False)
         with torch.no_grad(), torch.autocast(x.device.type, torch.bfloat16, enabled=bf16):
             teacher_hidden = self.teacher(x, attention_mask=attention_mask)
@@ -491,7 +491,7 @@ class COCOLM(nn.Module):
     def forward(self, model, batch, rng):
         x, attention_mask = batch["input_ids"], batch.get("attention_mask")
         valid = non_pad(x, attention_mask)
-        # generator: MLM on x~ (80/10/10), then its samples replace the masked tokens -> x^MLM
+        # generator: MLM on x~ (80/10/10, or all [MASK]), then its samples replace the masked tokens -> x^MLM
         x_mlm, positions, labels, gen_loss, metrics = self.generator(model, x, attention_mask, rng)
         is_original = x_mlm == x  # a sample equal to the original counts as original
         # main model on x^MLM

@@ -117,7 +117,7 @@ class Layer(nn.Module):
 
 
 class Encoder(nn.Module):
-    """A stack of layers. COCO-LM/ELECTRA generators build a shallower one on shared embeddings."""
+    """A stack of layers. The COCO-LM/ELECTRA generator builds its own, shallower or narrower, on shared embeddings."""
 
     def __init__(self, config, num_layers=None):
         super().__init__()
@@ -157,7 +157,7 @@ class Bert(nn.Module):
         self.head = MLMHead(config)
         self.pooler = None  # only kept when a loaded checkpoint has one (eval.py adds a fresh one)
         self.fresh_head = False  # from_pretrained: the checkpoint holds no MLM head its run trained
-        self.training_step = None  # from_pretrained: the step of a run of this project that these weights are
+        self.training_step = None  # from_pretrained: the step these weights were saved at, if this project saved them
         self.apply(self._init_weights)
 
     @staticmethod

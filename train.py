@@ -226,5 +226,5 @@ def train(cfg, ckpt=None):
 
 
 if __name__ == "__main__":
-    sys.stdout, sys.stderr = Console(sys.stdout), Console(sys.stderr)
+    sys.stdout, sys.stderr = Console(sys.stdout), Console(sys.stderr)  # a closed `| tee` cannot stop the run
     main()
