@@ -213,8 +213,13 @@ class StopSignals:
             self.received.append(signum)
 
     @property
-    def name(self):
-        return signal.Signals(self.received[0]).name
+    def name(self):  # None when no signal came
+        return signal.Signals(self.received[0]).name if self.received else None
+
+    @property
+    def exit_code(self):
+        """0, or 128 + the signal's number, as a shell reports a process that a signal stopped."""
+        return 128 + self.received[0] if self.received else 0
 
     def stopping(self):
         # under DDP a signal reaches the ranks at different moments: they agree (a tiny gloo all-reduce on

@@ -221,8 +221,8 @@ def train(cfg, ckpt=None):
         return 130
     finally:
         distributed.close(layout)
-    run.close(step, meter.first_step, time.time() - meter.t0, stop.name if stop.received else None)
-    return 128 + stop.received[0] if stop.received else 0
+    run.close(step, meter.first_step, time.time() - meter.t0, stop.name)
+    return stop.exit_code
 
 
 if __name__ == "__main__":
