@@ -111,8 +111,9 @@ def train(cfg, ckpt=None):
     if cfg.seq_len > max_pos:
         raise ValueError(f"seq_len {cfg.seq_len} exceeds the model's max_position_embeddings {max_pos}")
     batch_size, grad_accum = micro_batching(cfg, layout.world)  # tokens_per_step -> micro-batches
-    if batch_note(cfg, batch_size, layout.world) and master:
-        print(batch_note(cfg, batch_size, layout.world))
+    note = batch_note(cfg, batch_size, layout.world)  # why batch_size differs from --batch_size, if it does
+    if note and master:
+        print(note)
     cfg.batch_size = batch_size
 
     # ---- data: a token stream, cut into [CLS] + seq_len - 2 tokens + [SEP] blocks (rank 0 tokenizes first)
@@ -163,7 +164,8 @@ def train(cfg, ckpt=None):
 
     watch = DivergenceWatch(layout, cfg, scaler, params)  # stops the run before it saves NaN weights
     meter = StepLog(cfg, model_config, layout, step, trained_s)
-    metrics, stop = {}, distributed.StopSignals(layout)  # SIGINT / SIGTERM: stop after the step in flight
+    metrics = {}  # the last step's; save() shows them if the weights diverged
+    stop = distributed.StopSignals(layout)  # SIGINT / SIGTERM: stop after the step in flight
 
     def save(step):
         watch.check(metrics, step, run.saved_step, weights=True)  # never overwrite good weights with NaN
