@@ -31,7 +31,6 @@ import logging
 import lzma
 import os
 import re
-import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
