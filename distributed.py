@@ -191,14 +191,18 @@ class StopSignals:
     `stopping()` turns true after the step in flight. A second Ctrl-C raises KeyboardInterrupt at once
     (a terminal's Ctrl-C reaches torchrun's workers only through torchrun, as one SIGINT then a SIGTERM);
     a second SIGTERM is ignored (the scheduler and torchrun both send one; it must not abort the save).
-    Used as a context manager: the previous handlers come back on exit, unless a stop was seen (then a
+    SIGHUP (the terminal closed: an ssh session lost without nohup or tmux) stops it as SIGTERM does,
+    unless it is ignored already (nohup). Used as a context manager: the previous handlers come back on exit, unless a stop was seen (then a
     late repeated SIGTERM keeps being ignored while the process exits)."""
 
     def __init__(self, layout):
         self.layout, self.received = layout, []
 
     def __enter__(self):
-        self.handlers = {s: signal.signal(s, self.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        stops = [signal.SIGINT, signal.SIGTERM]
+        if hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) == signal.SIG_DFL:  # not Windows; not nohup
+            stops.append(signal.SIGHUP)
+        self.handlers = {s: signal.signal(s, self.on_signal) for s in stops}
         return self
 
     def __exit__(self, *exc):

@@ -1057,6 +1057,32 @@ def test_sigterm_saves_a_checkpoint_and_exits_nonzero(corpus, cache, tmp_path):
     assert rundir.export_step(str(out_dir)) == step and not (out_dir / ".lock").exists()
 
 
+@pytest.mark.slow
+def test_a_closed_terminal_saves_as_sigterm_does_unless_under_nohup(corpus, cache, tmp_path):
+    # SIGHUP (an ssh session lost, no nohup or tmux) killed the run outright: the steps since its last checkpoint lost
+    def started(out_dir, ignore_hup):
+        argv = flags(corpus, cache, out_dir, max_steps=100000, warmup_steps=10, log_interval=1, ckpt_interval=100000)
+        proc = subprocess.Popen([sys.executable, "train.py", *argv], cwd=HERE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN) if ignore_hup else None)
+        log, deadline = out_dir / "log.jsonl", time.time() + 120
+        while time.time() < deadline and not (log.is_file() and sum(1 for _ in open(log, encoding="utf-8")) > 5):
+            time.sleep(0.05)  # a few steps in
+        proc.send_signal(signal.SIGHUP)
+        return proc
+    proc = started(tmp_path / "run", ignore_hup=False)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGHUP and "Traceback" not in err, err
+    step = int(out.split("SIGHUP: stopped after step ")[1].split(";")[0])
+    assert step > 0 and hf_io.load_checkpoint_file(str(tmp_path / "run" / "ckpt.pt"))["step"] == step
+    proc = started(tmp_path / "nohup", ignore_hup=True)  # nohup's ignored SIGHUP stays ignored
+    time.sleep(1)
+    assert proc.poll() is None
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM and "SIGTERM: stopped after step" in out, err
+
+
 # ---- 5. errors from data.py are one line too
 
 def test_corrupt_tokenizer_and_unreadable_corpus_are_one_error_line(corpus, cache, tmp_path, capsys):
