@@ -715,8 +715,7 @@ def chunk_results(chunk_dir, chunk):
     results = reproduce.collect(args, args.runs)
     pngs = reproduce.plot(results, chunk_dir)
     reproduce.save_json(results, os.path.join(chunk_dir, "results.json"))
-    with open(os.path.join(chunk_dir, "results.md"), "w", encoding="utf-8") as f:
-        f.write(reproduce.markdown(results, pngs))
+    reproduce.save_text(reproduce.markdown(results, pngs), os.path.join(chunk_dir, "results.md"))
     return results, pngs
 
 
@@ -761,9 +760,7 @@ def merge(args):
         sys.exit(f"error: no chunk in {into}: pass the archives (CHUNK.tar.gz) the device runs brought back")
     results = {c: chunk_results(os.path.join(into, c), c) for c in records if c != "speed"}
     text = merged_markdown(records, results, into)
-    with open(os.path.join(into, "results.md.tmp"), "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(os.path.join(into, "results.md.tmp"), os.path.join(into, "results.md"))
+    reproduce.save_text(text, os.path.join(into, "results.md"))
     print(f"wrote {os.path.join(into, 'results.md')} ({', '.join(records)}; not run: "
           f"{', '.join(c for c in CHUNKS if c not in records) or 'none'})")
 
