@@ -6,7 +6,6 @@ from dataclasses import asdict
 import math
 import os
 import shutil
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -930,20 +929,9 @@ def test_a_stopped_run_keeps_the_tasks_it_finished(tmp_path, tiny_model_dir, mon
     assert "Not run: stsb, mrpc" in (out / "glue.md").read_text()
 
 
-@contextmanager
-def file_size_limit(size):
-    """Writes past `size` bytes fail (EFBIG) in this process, as on a full disk (Python ignores SIGXFSZ)."""
-    resource = pytest.importorskip("resource")
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (size, hard))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-
-
 def test_a_full_disk_is_one_error_line_and_keeps_the_earlier_glue_json(tmp_path, tiny_model_dir, monkeypatch, capsys):
     # glue.json or a plot that the disk refused was an OSError eval.py did not catch: a traceback
+    from test_reliability import file_size_limit
     monkeypatch.setattr(ev, "finetune", lambda base, task, *args: (torch.nn.Linear(1, 1), [
         dict(scores=dict(mcc=42.0), collapsed=False)]))
     argv = ["--model", str(tiny_model_dir), "--glue_dir", str(write_glue(tmp_path / "glue")), "--tasks", "cola",
@@ -961,6 +949,7 @@ def test_a_full_disk_is_one_error_line_and_keeps_the_earlier_glue_json(tmp_path,
 
 def test_a_fine_tuned_model_the_disk_refuses_is_one_error_line(tmp_path, tiny_model_dir, capsys):
     # --save_model: safetensors reports a refused write as its own SafetensorError, which was a traceback
+    from test_reliability import file_size_limit
     out, glue = tmp_path / "out", write_glue(tmp_path / "glue")
     with file_size_limit(1000), pytest.raises(SystemExit) as exit_info:
         ev.main(["--model", str(tiny_model_dir), "--glue_dir", str(glue), "--tasks", "cola", "--epochs", "1",
