@@ -280,6 +280,19 @@ def pool_problem(cfg, pool):
     return None
 
 
+# flag (or prefix) -> the objectives whose loss reads it; every other flag acts on every objective
+OBJECTIVE_FLAGS = {"mlm_predict_all": "mlm taco tacl", "taco_": "taco", "tacl_": "tacl", "gen_": "cocolm electra",
+                   "cocolm_": "cocolm", "electra_": "electra"}
+
+
+def unread_flags(cfg, given):
+    """Notes on the flags given that cfg.objective never reads (a note, not an error: a script may pass one
+    set of flags to every objective), e.g. --taco_window under --objective mlm."""
+    return [f"note: --{name} does nothing under --objective {cfg.objective} (it is read by {users.replace(' ', ', ')})"
+            for name in given for prefix, users in OBJECTIVE_FLAGS.items()
+            if name.startswith(prefix) and cfg.objective not in users.split()]
+
+
 def micro_batching(cfg, world):
     """(sequences per micro-step per process, micro-steps per optimizer step). tokens_per_step fixes
     the global batch; batch_size is a memory cap, lowered when `world` processes would exceed it."""

@@ -32,7 +32,7 @@ from safetensors import SafetensorError
 import data
 import distributed
 import token_files
-from config import RankError, TrainConfig, data_path, init_dir, parse_args, pooled, validate
+from config import RankError, TrainConfig, data_path, init_dir, parse_args, pooled, unread_flags, validate
 from hf_io import load_checkpoint_file, load_safetensors, replace_atomic, still_training, write_atomic
 from model import Bert, BertConfig
 from monitor import Diverged, duration
@@ -61,6 +61,8 @@ def run_main(train, argv, usage):
             cfg, ckpt = resume_config(cfg, given)
         validate(cfg)
         if rank == 0:
+            for note in unread_flags(cfg, given):
+                print(note)
             made = None if os.path.isdir(cfg.out_dir) else cfg.out_dir
             lock = take_lock(cfg.out_dir)  # before anything is written there
             remove_partial_writes(cfg.out_dir)

@@ -88,6 +88,20 @@ def test_cache_dir_is_absolute(tmp_path, monkeypatch):
     assert cfg.cache_dir == given["cache_dir"] == str(tmp_path / "sub" / "c")
 
 
+def test_a_flag_the_objective_never_reads_gets_a_note():
+    # --cocolm_mask_all under --objective electra (or --taco_window under mlm) was accepted without a word
+    notes = lambda *argv: config.unread_flags(*config.parse_args(list(argv)))
+    assert notes("--objective", "electra", "--cocolm_mask_all", "--gen_shape", "electra") == [
+        "note: --cocolm_mask_all does nothing under --objective electra (it is read by cocolm)"]
+    assert notes("--objective", "mlm", "--taco_window", "3", "--tacl_temperature", "0.1", "--mlm_predict_all") == [
+        "note: --taco_window does nothing under --objective mlm (it is read by taco)",
+        "note: --tacl_temperature does nothing under --objective mlm (it is read by tacl)"]
+    assert notes("--objective", "taco", "--taco_window", "3", "--mlm_predict_all", "--negative_pool", "4") == []
+    for name in (f.name for f in config.fields(config.TrainConfig)):  # every objective flag is in the table
+        if name.split("_")[0] in ("mlm", "taco", "tacl", "gen", "cocolm", "electra"):
+            assert any(name.startswith(prefix) for prefix in config.OBJECTIVE_FLAGS), name
+
+
 def test_help_lists_fields_with_comments():
     out = subprocess.run([sys.executable, "train.py", "--help"], cwd=HERE, capture_output=True, text=True)
     assert out.returncode == 0 and "--taco_negatives" in out.stdout and "K negatives" in out.stdout
