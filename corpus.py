@@ -200,13 +200,15 @@ def _load_local(datasets, builder, split_files, hf_cache):
         if full:
             raise ValueError(f"no space left for the cache {hf_cache} ({full.strerror}) while datasets read "
                              f"{', '.join(split_files.values())}: free some, or pass --cache_dir elsewhere") from None
-        # a file of datasets' own in the cache (read-only, a path too long), not one of _plain_path's links to the corpus
-        cache, links = os.path.join(os.path.abspath(hf_cache), ""), os.path.join(os.path.abspath(hf_cache), "links", "")
+        # a file of datasets' own in the cache (read-only, a path too long), not one of _plain_path's links to
+        # the corpus
+        cache = os.path.join(os.path.abspath(hf_cache), "")
+        links = os.path.join(cache, "links", "")
         paths = [(x, os.path.abspath(str(x.filename))) for x in chain if isinstance(x, OSError) and x.filename]
         written = [x for x, path in paths if path.startswith(cache) and not path.startswith(links)]
         if written:
-            raise ValueError(f"datasets cannot write its cache {hf_cache} ({written[0].strerror}: {written[0].filename}) "
-                             f"while reading {', '.join(split_files.values())}: pass a writable --cache_dir") from None
+            raise ValueError(f"datasets cannot write its cache {hf_cache} ({written[0].strerror}: "
+                             f"{written[0].filename}) while reading {', '.join(split_files.values())}: pass a writable --cache_dir") from None
         culprit, problem = ", ".join(split_files.values()), _read_problem(e)
         if len(split_files) > 1:  # find the file to blame, one at a time (error path only)
             for name, f in split_files.items():

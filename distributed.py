@@ -89,9 +89,10 @@ def setup(cfg):
     try:
         dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo", timeout=DDP_TIMEOUT)
     except dist.DistError as e:  # after DDP_TIMEOUT: a process that never started, another MASTER_ADDR / MASTER_PORT
+        why = str(e).strip().splitlines()[0].rstrip(".")
         raise ValueError(f"torchrun's rendezvous at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} "
-                         f"failed ({str(e).strip().splitlines()[0].rstrip('.')}): all WORLD_SIZE={world} processes must start, "
-                         f"with the same MASTER_ADDR and MASTER_PORT") from None
+                         f"failed ({why}): all WORLD_SIZE={world} processes must start, with the same MASTER_ADDR "
+                         f"and MASTER_PORT") from None
     return Layout(ddp=True, rank=rank, world=world, device=device,
                   data_group=dist.new_group(backend="gloo", timeout=DATA_TIMEOUT),
                   stop_group=dist.new_group(backend="gloo", timeout=DDP_TIMEOUT))  # agreeing on a stop, on the CPU
@@ -192,8 +193,8 @@ class StopSignals:
     (a terminal's Ctrl-C reaches torchrun's workers only through torchrun, as one SIGINT then a SIGTERM);
     a second SIGTERM is ignored (the scheduler and torchrun both send one; it must not abort the save).
     SIGHUP (the terminal closed: an ssh session lost without nohup or tmux) stops it as SIGTERM does,
-    unless it is ignored already (nohup). Used as a context manager: the previous handlers come back on exit, unless a stop was seen (then a
-    late repeated SIGTERM keeps being ignored while the process exits)."""
+    unless it is ignored already (nohup). Used as a context manager: the previous handlers come back on
+    exit, unless a stop was seen (then a late repeated SIGTERM keeps being ignored while the process exits)."""
 
     def __init__(self, layout):
         self.layout, self.received = layout, []
