@@ -68,7 +68,8 @@ from losses import LOSSES, eligible_positions
 from hf_io import config_to_hf
 from model import Bert, BertConfig, MODEL_PRESETS
 from config import Parser, TrainConfig, dir_problem, pool_problem
-from monitor import Console, gpu_peak_flops, objective_flops_per_token
+from console import Console
+from monitor import gpu_peak_flops, objective_flops_per_token
 from train import Pretrainer, configure_optimizer
 
 

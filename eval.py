@@ -53,7 +53,7 @@ from glue_scores import AVG8, AVG9, MAIN, glue_table, like_for_like, score
 from glue_tasks import SUBMISSIONS, TASKS, TaskMissing, load_task
 from hf_io import config_to_hf, still_training, write_atomic, write_hf_dir
 from model import Bert
-from monitor import Console
+from console import Console
 from rundir import locked, move_aside
 
 # ----------------------------------------------------------------------------------------------

@@ -6,11 +6,9 @@ test_bench.py's FLOP tests, test_train.py's log tests):
   with Diverged before it can save NaN weights (ckpt.pt and its export keep the last good step), and all
   DDP ranks stop at the same step; the check reads the device only at log steps and before saves, so the
   step itself never waits for the host;
-- MFU is counted with the FLOPs the objective really computes (objective_flops_per_token);
-- console output survives its reader (a closed `| tee`), a console that cannot be written and characters its
-  encoding lacks: a print never stops a run before its save (train.py, eval.py and bench.py use it).
+- MFU is counted with the FLOPs the objective really computes (objective_flops_per_token).
+(The console that outlives its reader is console.py's.)
 """
-import os
 import time
 from contextlib import contextmanager
 
@@ -202,33 +200,3 @@ def gpu_peak_flops(device):
         if key in name:
             return peak
     return None
-
-
-class Console:
-    """stdout / stderr that outlive their reader (a killed reproduce.py, a closed `| tee`) and a console that
-    cannot take them (`> /dev/full`, a lost terminal, `>&-`): after a failed write the output goes to
-    os.devnull, so a print cannot stop the run before a SIGTERM's save (log.jsonl keeps every line). A
-    character the console's encoding lacks (PYTHONIOENCODING=ascii, a non-UTF-8 locale; a path, the § of --help)
-    is written as an escape (\\xe9), as Python's stderr does, not a UnicodeEncodeError."""
-
-    def __init__(self, stream):
-        # None: started with the stream closed (>&-)
-        self.stream = stream if stream is not None else open(os.devnull, "w", encoding="utf-8")
-        if hasattr(self.stream, "reconfigure"):  # an undecodable path byte too: \udcff, not surrogateescape's byte
-            self.stream.reconfigure(errors="backslashreplace")
-
-    def write(self, text):
-        try:
-            return self.stream.write(text)
-        except OSError:  # BrokenPipeError, a full disk (ENOSPC), a hung-up terminal (EIO)
-            self.stream = open(os.devnull, "w", encoding="utf-8")
-            return len(text)
-
-    def flush(self):
-        try:
-            self.stream.flush()
-        except OSError:
-            self.stream = open(os.devnull, "w", encoding="utf-8")
-
-    def __getattr__(self, name):
-        return getattr(self.stream, name)

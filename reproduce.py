@@ -40,6 +40,7 @@ import time
 import uuid
 
 import corpus  # standard library only at import: this file runs before the wheels are installed
+from console import Console
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STAGES = ["pretrain", "continue", "glue", "analysis", "report"]
@@ -1062,9 +1063,6 @@ def check_settings(args):
 
 
 def main(argv=None):
-    for stream in (sys.stdout, sys.stderr):  # a console without them (PYTHONIOENCODING=ascii, a non-UTF-8 locale):
-        if hasattr(stream, "reconfigure"):  # results.md's "±", a path's "é" print as \xe9, not a UnicodeEncodeError
-            stream.reconfigure(errors="backslashreplace")
     try:
         reproduce(parse(argv))
     except KeyboardInterrupt:  # between subprocesses (run_cmd passes it to one while it runs): every write is atomic
@@ -1107,4 +1105,6 @@ def reproduce(args):
 
 
 if __name__ == "__main__":
+    # a `| head` that exits, an ascii console (results.md's "±", a path's "é" as \xe9): no print stops the runs
+    sys.stdout, sys.stderr = Console(sys.stdout), Console(sys.stderr)
     main()

@@ -29,7 +29,7 @@ import losses
 import model
 import rundir
 import train
-from monitor import Console
+from console import Console
 from test_train import write_corpus, read_log
 
 HERE = Path(__file__).resolve().parent

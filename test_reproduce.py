@@ -271,6 +271,18 @@ def test_an_ascii_console_shows_a_non_ascii_path_escaped(tmp_path):
     assert done.returncode == 0 and f"--out_dir {tmp_path}/caf\\xe9/mlm" in done.stdout, done.stderr
 
 
+def test_a_reader_that_has_exited_stops_no_print_of_ours(tmp_path):
+    # `reproduce.py | head` after head exited: our own next print stopped the reproduction (error: Broken pipe, exit 1)
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run([sys.executable, "reproduce.py", "--scale", "toy", "--out_dir", str(tmp_path / "r"),
+                               "--dry_run"], cwd=HERE, stdout=write, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+
+
 def test_a_reader_of_our_output_that_exits_neither_blocks_a_call_nor_ends_its_log(tmp_path):
     # `reproduce.py | head`: the thread teeing a call's output died on the broken pipe, so nothing read the call's
     # pipe any more: its log ended there, and a call that printed another 64 KiB blocked on it for good (a hang)

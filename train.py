@@ -24,9 +24,10 @@ import distributed
 import rundir
 from analysis import contextual_score, wordsim_similarity
 from config import batch_note, micro_batching
+from console import Console
 from losses import LOSSES
 from model import Bert, BertConfig, MODEL_PRESETS
-from monitor import Console, DivergenceWatch, StepLog, print_plan
+from monitor import DivergenceWatch, StepLog, print_plan
 
 
 class Pretrainer(nn.Module):
