@@ -174,16 +174,21 @@ def _decompressed(f, hf_cache):
     return str(plain)
 
 
+def _cache_error(e, hf_cache, split_files, doing):
+    """The one-line ValueError for an OSError that is the cache's (a full disk, a quota, a read-only folder)."""
+    full = e.errno in FULL
+    return ValueError(f"{'no space left for' if full else 'cannot write'} the cache {hf_cache} ({e.strerror}"
+                      f"{f': {e.filename}' if e.filename else ''}) while {doing} {', '.join(split_files.values())}: "
+                      f"{'free some, or ' if full else ''}pass --cache_dir elsewhere")
+
+
 def _load_local(datasets, builder, split_files, hf_cache):
     """load_dataset for local files; a file it cannot read is one ValueError naming that file."""
     try:
         escaped = {name: _decompressed(f, hf_cache) if builder == "text" and Path(f).suffix in DECOMPRESS
                    else _plain_path(f, hf_cache) for name, f in split_files.items()}
     except OSError as e:  # writing our copy or link into the cache: a full disk, a quota, a read-only folder
-        full = e.errno in FULL
-        raise ValueError(f"{'no space left for' if full else 'cannot write'} the cache {hf_cache} "
-                         f"({e.strerror}: {e.filename}) while preparing {', '.join(split_files.values())}: "
-                         f"{'free some, or ' if full else ''}pass --cache_dir elsewhere") from None
+        raise _cache_error(e, hf_cache, split_files, "preparing") from None
     # a BOM dropped, as read_text does: kept, it hid a WikiExtractor file's first <doc ...> line from pieces
     options = dict(encoding="utf-8-sig") if builder == "text" else {}
     try:
@@ -195,20 +200,14 @@ def _load_local(datasets, builder, split_files, hf_cache):
         chain = [e]
         while len(chain) < 8 and (chain[-1].__cause__ or chain[-1].__context__):  # datasets wraps what it hit
             chain.append(chain[-1].__cause__ or chain[-1].__context__)
-        # the cache's disk, not the corpus: full, over a quota, or past a file-size limit (ulimit -f)
-        full = next((x for x in chain if isinstance(x, OSError) and x.errno in FULL), None)
-        if full:
-            raise ValueError(f"no space left for the cache {hf_cache} ({full.strerror}) while datasets read "
-                             f"{', '.join(split_files.values())}: free some, or pass --cache_dir elsewhere") from None
-        # a file of datasets' own in the cache (read-only, a path too long), not one of _plain_path's links to
-        # the corpus
+        # the cache's, not the corpus's: a full disk, a quota, a file-size limit (ulimit -f), or a file of datasets'
+        # own there that cannot be written (read-only, a path too long; not one of _plain_path's links to the corpus)
         cache = os.path.join(os.path.abspath(hf_cache), "")
-        links = os.path.join(cache, "links", "")
-        paths = [(x, os.path.abspath(str(x.filename))) for x in chain if isinstance(x, OSError) and x.filename]
-        written = [x for x, path in paths if path.startswith(cache) and not path.startswith(links)]
-        if written:
-            raise ValueError(f"datasets cannot write its cache {hf_cache} ({written[0].strerror}: "
-                             f"{written[0].filename}) while reading {', '.join(split_files.values())}: pass a writable --cache_dir") from None
+        in_cache = lambda path: path.startswith(cache) and not path.startswith(cache + "links")
+        ours = [x for x in chain if isinstance(x, OSError) and (
+            x.errno in FULL or x.filename and in_cache(os.path.abspath(str(x.filename))))]
+        if ours:
+            raise _cache_error(ours[0], hf_cache, split_files, "datasets read") from None
         culprit, problem = ", ".join(split_files.values()), _read_problem(e)
         if len(split_files) > 1:  # find the file to blame, one at a time (error path only)
             for name, f in split_files.items():
