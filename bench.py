@@ -424,8 +424,9 @@ def main(argv=None):
     p.add_argument("--profile_objectives", default="all", help="with --profile: the runs profiled, a comma list of "
                    "objectives and hf-mlm, or all")
     p.add_argument("--profile_top", type=int, default=12, help="rows per profile table")
-    p.add_argument("--out_dir", default="out/bench", help="--profile writes its chrome traces here")
-    p.add_argument("--json", default="", help="write the results here")
+    p.add_argument("--out_dir", default="out/bench", type=os.path.expanduser,  # ~ as train.py: `--out_dir=~/x`
+                   help="--profile writes its chrome traces here")
+    p.add_argument("--json", default="", type=os.path.expanduser, help="write the results here")
     args = p.parse_args(argv)
 
     # "all" anywhere in the list is every objective: "all,mlm" was refused as "unknown objective 'all' (choose

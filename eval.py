@@ -662,18 +662,21 @@ def run_glue(args, log=print):
         return report
 
 
+PATH = os.path.expanduser  # as train.py: the shell leaves `--out=~/x` alone, which made a folder named ~
+
+
 def build_parser():
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", nargs="+", help="run directory, Hugging Face BERT directory, or ckpt.pt of this "
-                   "project (--analysis compares several)")
-    p.add_argument("--out", help="output directory (default: the (first) model's directory)")
+    p.add_argument("--model", nargs="+", type=PATH, help="run directory, Hugging Face BERT directory, or ckpt.pt of "
+                   "this project (--analysis compares several)")
+    p.add_argument("--out", type=PATH, help="output directory (default: the (first) model's directory)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when there is one)")
     p.add_argument("--max_len", type=int, help="tokens per example, pairs truncated longest-first "
                    "(GLUE: 128, Table 6; --analysis: 128 tokens per sentence, [CLS] and [SEP] included)")
     g = p.add_argument_group("GLUE fine-tuning (the default mode)")
     g.add_argument("--tasks", default="all", help=f"comma-separated, from: {','.join(TASKS)} (default all)")
-    g.add_argument("--glue_dir", help="folder of the original GLUE TSVs (CoLA/, SST-2/, ... as download_glue_data.py "
-                   "writes them); default: nyu-mll/glue from the Hugging Face hub")
+    g.add_argument("--glue_dir", type=PATH, help="folder of the original GLUE TSVs (CoLA/, SST-2/, ... as "
+                   "download_glue_data.py writes them); default: nyu-mll/glue from the Hugging Face hub")
     # ours: one seed by default, a quarter of the paper's small-model cost (fidelity note 21)
     g.add_argument("--seeds", default="1", help="comma-separated fine-tuning seeds; several give mean and median "
                    "(TACO's small rows: 4 seeds, --seeds 1,2,3,4; base combination k runs with seed + 1000*(k-1))")
@@ -711,12 +714,12 @@ def build_parser():
     a.add_argument("--analysis", action="store_true", help="contextual score, self-similarity, heatmaps, "
                    "sentence and word similarity of every --model, as analysis.json and PNG plots "
                    "(STS-B pairs from --glue_dir)")
-    a.add_argument("--text", help="held-out text for --analysis (default: the run's validation split)")
+    a.add_argument("--text", type=PATH, help="held-out text for --analysis (default: the run's validation split)")
     a.add_argument("--num_sentences", type=int, default=1000, help="held-out sentences sampled for --analysis")
     a.add_argument("--analysis_seed", dest="seed", type=int, default=0, help="draws the sentences and the "
                    "partners of --analysis (another seed measures their noise)")
-    a.add_argument("--plot_log", nargs="+", metavar="LOG", help="plot these log.jsonl files on shared axes "
-                   "(into --out, a directory or a .png, default .)")
+    a.add_argument("--plot_log", nargs="+", metavar="LOG", type=PATH, help="plot these log.jsonl files on shared "
+                   "axes (into --out, a directory or a .png, default .)")
     return p
 
 

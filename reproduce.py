@@ -875,6 +875,9 @@ def parse_recipes(text):
     return recipes, None
 
 
+PATH = os.path.expanduser  # ~ is home in every path flag, as in train.py (bash leaves `--out_dir=~/x` alone)
+
+
 def parse(argv):
     """The flags, checked (one error line and exit 2 for anything wrong) and resolved into args."""
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -882,10 +885,11 @@ def parse(argv):
                    help="toy: CPU, a minute; cpu: CPU, about 2 hours; mini: one GPU, ~25 min")
     p.add_argument("--objectives", default="mlm,taco,cocolm,electra,tacl",
                    help="comma list from mlm,taco,cocolm,electra,tacl; tacl adds mlm (its start) and mlm_cont")
-    p.add_argument("--data", default="", help="pretraining text for train.py --data (default: train.py's)")
-    p.add_argument("--glue_dir", default="", help="the GLUE TSVs for eval.py --glue_dir (default: the hub)")
-    p.add_argument("--out_dir", default="out/reproduce")
-    p.add_argument("--cache_dir", default="", help="tokenizer/token cache shared by the runs (default out_dir/cache)")
+    p.add_argument("--data", default="", type=PATH, help="pretraining text for train.py --data (default: train.py's)")
+    p.add_argument("--glue_dir", default="", type=PATH, help="the GLUE TSVs for eval.py --glue_dir (default: the hub)")
+    p.add_argument("--out_dir", default="out/reproduce", type=PATH)
+    p.add_argument("--cache_dir", default="", type=PATH, help="tokenizer/token cache shared by the runs (default "
+                   "out_dir/cache)")
     p.add_argument("--steps", type=int, help="pretraining steps (default: the scale's)")
     p.add_argument("--extra_steps", type=int, help="TaCL / MLM-control continuation steps (default: the scale's)")
     p.add_argument("--tasks", help="GLUE tasks (default: the scale's)")
@@ -895,8 +899,8 @@ def parse(argv):
                    f"{','.join(RECIPES)} (default: the scale's)")
     p.add_argument("--glue_train_rows", type=int, help="GLUE train rows kept per task, eval.py --max_train_samples "
                    "(default: the scale's)")
-    p.add_argument("--tokenizer", default="", help="train.py --tokenizer for the runs from scratch (default: one "
-                   "trained on --data, cached in --cache_dir)")
+    p.add_argument("--tokenizer", default="", type=PATH, help="train.py --tokenizer for the runs from scratch "
+                   "(default: one trained on --data, cached in --cache_dir)")
     p.add_argument("--only", default="", help=f"comma list of stages ({','.join(STAGES)}), runs "
                    f"({','.join(SCRATCH + list(CONTINUED))}) and/or recipes ({','.join(RECIPES)}); default "
                    f"everything. Runs narrow pretraining, continuation and GLUE, recipes GLUE; the analysis and the "
@@ -941,8 +945,8 @@ def parse(argv):
     args.cache_dir = args.cache_dir or os.path.join(args.out_dir, "cache")
     if os.path.exists(args.cache_dir) and not os.path.isdir(args.cache_dir):
         p.error(f"--cache_dir {args.cache_dir}: a file, not a directory")
-    for name in ("out_dir", "cache_dir") if args.data and os.path.isdir(os.path.expanduser(args.data)) else ():
-        rel = os.path.relpath(os.path.realpath(getattr(args, name)), os.path.realpath(os.path.expanduser(args.data)))
+    for name in ("out_dir", "cache_dir") if args.data and os.path.isdir(args.data) else ():
+        rel = os.path.relpath(os.path.realpath(getattr(args, name)), os.path.realpath(args.data))
         if rel.split(os.sep)[0] != "..":  # train.py refuses it too (config.reads_into), but only at the first run
             p.error(f"--{name} {getattr(args, name)}: inside --data {args.data}, whose files would be read as corpus")
     problem = data_problem(args.data) if args.data and not report_only else None  # walks a folder: once
@@ -956,7 +960,7 @@ def parse(argv):
         value = getattr(args, name)
         if value and (os.path.exists(value) or name in ("out_dir", "cache_dir")):
             setattr(args, name, os.path.abspath(value))
-    if any(c in args.data for c in "*?[") and not os.path.isabs(os.path.expanduser(args.data)):  # a local glob
+    if any(c in args.data for c in "*?[") and not os.path.isabs(args.data):  # a local glob
         args.data = os.path.join(glob.escape(os.getcwd()), args.data)  # (config.data_path's rule)
 
     objectives = [o.strip() for o in args.objectives.split(",") if o.strip()]

@@ -119,11 +119,14 @@ def test_profile_on_cpu_prints_top_ops_and_writes_a_trace(tmp_path, capsys):
     assert (tmp_path / "trace_tiny_mlm.json.gz").stat().st_size > 0
 
 
-def test_profile_objectives_profiles_those_runs_only(tmp_path):
+def test_profile_objectives_profiles_those_runs_only(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))  # ~ is home, as in train.py (bash leaves `--out_dir=~/x` alone)
+    monkeypatch.chdir((tmp_path / "cwd").mkdir() or tmp_path / "cwd")
     results = bench.main(TINY + ["--objectives", "mlm,tacl", "--profile", "--profile_objectives", "mlm",
-                                 "--profile_steps", "1", "--out_dir", str(tmp_path)])
+                                 "--profile_steps", "1", "--out_dir=~/traces", "--json=~/b.json"])
     assert "profile" in results[0] and "profile" not in results[1]
-    assert [p.name for p in tmp_path.iterdir()] == ["trace_tiny_mlm.json.gz"]
+    assert [p.name for p in (tmp_path / "traces").iterdir()] == ["trace_tiny_mlm.json.gz"]
+    assert (tmp_path / "b.json").is_file() and not os.listdir(tmp_path / "cwd")
 
 
 def test_gpu_profile_tables_count_each_kernel_once():

@@ -646,6 +646,18 @@ def test_plot_log_alone_refuses_bad_outputs_and_a_bad_log_makes_no_folder(tmp_pa
     assert f"wrote {tmp_path / 'Curves.md'}:\n| run | step |" in capsys.readouterr().out  # both files named
 
 
+def test_a_tilde_in_a_path_flag_is_home_as_in_train_py(tmp_path, tiny_model_dir, capsys, monkeypatch):
+    # bash leaves `--out=~/x` alone: --plot_log's png went to a folder named ~ in the working directory
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir((tmp_path / "cwd").mkdir() or tmp_path / "cwd")
+    (tmp_path / "log.jsonl").write_text('{"step": 1, "val_mlm_loss": 2.0}\n')
+    ev.main(["--plot_log=~/log.jsonl", "--out=~/plots"])
+    assert (tmp_path / "plots" / "training_curves.png").is_file() and not os.listdir(tmp_path / "cwd")
+    args = ev.build_parser().parse_args(["--model=~/m", "--glue_dir=~/g", "--text=~/t.txt"])
+    assert args.model == [str(tmp_path / "m")] and args.glue_dir == str(tmp_path / "g")
+    assert args.text == str(tmp_path / "t.txt")
+
+
 def test_plot_log_with_a_model_also_runs_glue(tmp_path, tiny_model_dir, monkeypatch):
     seen = []
     monkeypatch.setattr(ev.analysis, "plot_logs", lambda logs, out: seen.append("plot"))

@@ -827,6 +827,17 @@ def test_relative_data_globs_and_torchrun(tmp_path, monkeypatch):
     assert "not torchrun" in reproduce_error(["--out_dir", str(tmp_path / "o")], tmp_path)
 
 
+def test_a_tilde_in_a_path_flag_is_home_as_in_train_py(tmp_path, monkeypatch):
+    # bash leaves `--out_dir=~/x` alone: results.md went to a folder named ~, --glue_dir=~/g was "not a directory"
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for name in ("glue", "text"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "text" / "a.txt").write_text("Some text.\n")
+    args = reproduce.parse(["--out_dir=~/o", "--glue_dir=~/glue", "--data=~/text", "--cache_dir=~/c"])
+    assert (args.out_dir, args.glue_dir, args.data, args.cache_dir) == tuple(
+        str(tmp_path / name) for name in ("o", "glue", "text", "c"))
+
+
 def test_a_task_named_twice_is_fine_tuned_once(tmp_path):
     args = reproduce.parse(["--tasks", "cola,CoLA,stsb,STS-B", "--out_dir", str(tmp_path / "o")])
     assert args.tasks == "cola,stsb"
