@@ -7,9 +7,10 @@ fine-tuning loop sees only Datasets with text_a[, text_b] and label columns.
 What it guarantees:
 - a TSV row with the wrong number of columns, a label outside the task's set (an STS-B score outside
   [0, 5]), a missing column, or an empty or repeated test index is one ValueError naming file and line;
+  the hub's label ids (RTE's 0/1, as a TSV exported from nyu-mll/glue holds them) are labels too;
   quoting is off (GLUE sentences hold bare quotes), except in a file re-saved with csv quoting
   (pandas' to_csv: every quote-holding cell wrapped, its own quotes doubled), which reads as the
-  original; a BOM and CRLF or CR line ends are accepted;
+  original; a BOM, CRLF or CR line ends and empty lines are accepted;
   a TSV that cannot be read (permissions, a failing disk) is one ValueError naming it;
 - a task whose files are absent or empty is TaskMissing (eval.py skips it and marks it missing), never a
   crash halfway through the other tasks; an absent test set is a reason string, not an error;
@@ -20,7 +21,9 @@ test_real_glue_test_sets on the GLUE files; test_error_malformed_rows,
 test_a_header_without_a_needed_column_is_named_in_one_short_line,
 test_a_test_set_index_must_be_unique_and_present, test_a_dev_set_without_rows_is_named,
 test_a_test_set_without_rows_is_missing, test_an_unreadable_tsv_is_one_line,
-test_a_tsv_resaved_with_csv_quoting_reads_as_the_original, test_hub_unreachable_is_one_line).
+test_a_tsv_resaved_with_csv_quoting_reads_as_the_original,
+test_empty_lines_in_a_tsv_are_skipped_and_still_counted_in_error_lines,
+test_the_hubs_label_ids_read_as_its_label_names, test_hub_unreachable_is_one_line).
 """
 import os
 import re
@@ -41,6 +44,10 @@ class Task:
     dev: dict = field(default_factory=lambda: {"": ("dev", "validation")})  # suffix -> (TSV stem, hub split)
     header: tuple = None  # column names for a train/dev TSV without a header line (CoLA)
     test_index: str = "index"  # the test TSV's index column
+
+    @property
+    def label_ids(self):  # what read_tsv accepts: the TSV's labels, and the hub's ids that an export of it holds
+        return {**{str(i): i for i in self.labels.values()}, **self.labels}
 
     @property
     def num_labels(self):
@@ -100,28 +107,28 @@ def read_tsv(path, task, test=False):
     except OSError as e:  # a file this user may not read, a failing disk: one line, not a traceback
         raise ValueError(f"{path}: cannot read it ({e.strerror or e})") from None
     lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")  # LF, CRLF or CR, as open() reads
-    lines = lines[:-1] if lines[-1] == "" else lines  # the last line end is optional
+    numbered = [(n, line) for n, line in enumerate(lines, 1) if line]  # empty lines skipped, as pandas skips them
     if not any(line.strip() for line in lines):  # an empty file has no rows (load_task: the task is missing)
         columns = ("text_a", "text_b")[:len(task.tsv_text)] + ("index" if test else "label",)
         return datasets.Dataset.from_dict({c: [] for c in columns})
     if task.header and not test:  # CoLA's train/dev have no header line, its test file has one
         header, first = task.header, 0
     else:
-        header, first = (lines[0].split("\t") if lines else []), 1
+        header, first = numbered[0][1].split("\t"), 1
     col = {name: i for i, name in enumerate(header)}
     target = task.test_index if test else task.tsv_label
     lacking = [c for c in task.tsv_text + (target,) if c not in col]
     if lacking:  # the header shown cut short: a file of one long line (not a TSV at all) is all header
         shown = str(header) if len(str(header)) <= 200 else str(header)[:200] + " ..."
         raise ValueError(f"{path}: no column {lacking[0]!r} in the header {shown}")
-    table = [line.split("\t") for line in lines[first:]]
+    table = [(n, line.split("\t")) for n, line in numbered[first:]]
     # re-saved by pandas' to_csv (csv quoting), every cell holding a quote is wrapped in quotes, its own doubled
     # ('"a ""b"""'); most of GLUE's own (bare) quoted cells are not of that form, and none holds a ""
-    quoted = [cell for cells in table for cell in cells if '"' in cell]
+    quoted = [cell for _, cells in table for cell in cells if '"' in cell]
     if quoted and all(CSV_QUOTED.fullmatch(c) for c in quoted) and any('""' in c[1:-1] for c in quoted):
-        table = [[c[1:-1].replace('""', '"') if '"' in c else c for c in cells] for cells in table]
+        table = [(n, [c[1:-1].replace('""', '"') if '"' in c else c for c in cells]) for n, cells in table]
     rows, seen = {"text_a": [], "text_b": [], "index" if test else "label": []}, set()
-    for lineno, cells in enumerate(table, first + 1):
+    for lineno, cells in table:
         if len(cells) != len(header):
             raise ValueError(f"{path}:{lineno}: expected {len(header)} tab-separated columns, got {len(cells)}")
         raw = cells[col[target]]
@@ -132,12 +139,12 @@ def read_tsv(path, task, test=False):
             rows["index"].append(raw)
         else:
             try:
-                label = float(raw) if task.labels is None else task.labels[raw]
+                label = float(raw) if task.labels is None else task.label_ids[raw]
                 if not 0 <= label <= 5:  # STS-B's similarity scale (NaN fails too); class ids pass
                     raise ValueError
                 rows["label"].append(label)
             except (KeyError, ValueError):
-                expected = "a number in [0, 5]" if task.labels is None else "/".join(task.labels)
+                expected = "a number in [0, 5]" if task.labels is None else "/".join(task.label_ids)
                 raise ValueError(f"{path}:{lineno}: bad label {raw!r} (expected {expected})") from None
         for key, name in zip(("text_a", "text_b"), task.tsv_text):
             rows[key].append(cells[col[name]])

@@ -715,6 +715,38 @@ def test_crlf_and_cr_line_ends_read_as_lf(tmp_path):
     assert glue_tasks.read_tsv(str(path), glue_tasks.TASKS["mrpc"]).to_dict() == lf.to_dict()
 
 
+def test_empty_lines_in_a_tsv_are_skipped_and_still_counted_in_error_lines(tmp_path):
+    # as pandas (and datasets' csv loader) read them; they were "expected 3 tab-separated columns, got 1"
+    glue = write_glue(tmp_path / "glue")
+    for task, name in (("mrpc", "MRPC/dev.tsv"), ("cola", "CoLA/train.tsv")):  # with a header line, and without
+        path = glue / name
+        text = path.read_text()
+        bom, lines = text[:text.startswith("\ufeff")], text.lstrip("\ufeff").split("\n")  # MRPC's BOM stays first
+        clean = glue_tasks.read_tsv(str(path), glue_tasks.TASKS[task]).to_dict()
+        path.write_text(bom + "\n" + "\n\n".join(lines[:3]) + "\n\n" + "\n".join(lines[3:]) + "\n\n\n")
+        assert glue_tasks.read_tsv(str(path), glue_tasks.TASKS[task]).to_dict() == clean
+        path.write_text("\n".join(lines[:2] + ["", "no tabs here"] + lines[2:]))
+        with pytest.raises(ValueError, match=f"{name[-9:]}:4: expected"):  # the empty line 3 is counted
+            glue_tasks.read_tsv(str(path), glue_tasks.TASKS[task])
+
+
+def test_the_hubs_label_ids_read_as_its_label_names(tmp_path):
+    # a TSV exported from nyu-mll/glue (pandas to_csv, sep="\t") holds RTE's and QNLI's labels as 0/1: refused
+    path = tmp_path / "train.tsv"
+    path.write_text("index\tsentence1\tsentence2\tlabel\n0\tA cat sat.\tA cat sat.\tentailment\n"
+                    "1\tA cat sat.\tNo cat sat.\tnot_entailment\n")
+    names = glue_tasks.read_tsv(str(path), glue_tasks.TASKS["rte"]).to_dict()
+    ids = {"entailment": "0", "not_entailment": "1"}  # the hub's numbering
+    header, *rows = path.read_text().rstrip("\n").split("\n")
+    path.write_text("\n".join([header] + [r.rsplit("\t", 1)[0] + "\t" + ids[r.rsplit("\t", 1)[1]] for r in rows]))
+    assert glue_tasks.read_tsv(str(path), glue_tasks.TASKS["rte"]).to_dict() == names
+    assert set(names["label"]) == {0, 1}
+    path.write_text(f"{header}\n{rows[0].rsplit(chr(9), 1)[0]}\t2\n")  # not an id of RTE's
+    with pytest.raises(ValueError, match="bad label '2' \\(expected 0/1/entailment/not_entailment\\)"):
+        glue_tasks.read_tsv(str(path), glue_tasks.TASKS["rte"])
+    assert glue_tasks.TASKS["mnli"].num_labels == 3 and len(glue_tasks.TASKS["mnli"].label_ids) == 6
+
+
 def test_an_unreadable_tsv_is_one_line(tmp_path, tiny_model_dir, capsys, monkeypatch):
     # a TSV this user may not read (or a failing disk) was an OSError traceback, exit 1; root ignores modes, so a
     # failing open stands in
