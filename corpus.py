@@ -17,7 +17,9 @@ What it guarantees:
 - a file that is not UTF-8 text, holds NUL bytes, is a broken .jsonl or a fake .gz/.xz is one ValueError
   naming that file, also when it is one of many in a directory;
 - a file name that looks like a pattern (b[1].txt) is read as that file, never as the files it matches;
-- an unreachable hub (offline) is one line naming the way out (--data FILE), not a page of retries.
+- an unreachable hub (offline) is one line naming the way out (--data FILE), not a page of retries;
+- a cache that cannot be written (full, over a quota, read-only) is one OSError naming it, never blamed on
+  the corpus.
 
 Tests that hold it to this: test_corpus.py (each format and marker, bad paths, unreadable files, brackets
 in paths, the offline hub, read_text of a broken .xz) and test_data.py's test_sample_corpus (WikiText headings).
@@ -175,9 +177,10 @@ def _decompressed(f, hf_cache):
 
 
 def _cache_error(e, hf_cache, split_files, doing):
-    """The one-line ValueError for an OSError that is the cache's (a full disk, a quota, a read-only folder)."""
+    """One line for an OSError that is the cache's (a full disk, a quota, a read-only folder): still an OSError,
+    so it exits 1 as any write the system refused, not 2 as bad input."""
     full = e.errno in FULL
-    return ValueError(f"{'no space left for' if full else 'cannot write'} the cache {hf_cache} ({e.strerror}"
+    return OSError(f"{'no space left for' if full else 'cannot write'} the cache {hf_cache} ({e.strerror}"
                       f"{f': {e.filename}' if e.filename else ''}) while {doing} {', '.join(split_files.values())}: "
                       f"{'free some, or ' if full else ''}pass --cache_dir elsewhere")
 
