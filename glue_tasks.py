@@ -10,7 +10,8 @@ What it guarantees:
   the hub's label ids (RTE's 0/1, as a TSV exported from nyu-mll/glue holds them) are labels too;
   quoting is off (GLUE sentences hold bare quotes), except in a file re-saved with csv quoting
   (pandas' to_csv: every quote-holding cell wrapped, its own quotes doubled), which reads as the
-  original; a BOM, CRLF or CR line ends and empty lines are accepted;
+  original, its added header line "0 1 2 3" (CoLA) dropped; a BOM, CRLF or CR line ends and empty lines
+  are accepted;
   a TSV that cannot be read (permissions, a failing disk) is one ValueError naming it;
 - a task whose files are absent or empty is TaskMissing (eval.py skips it and marks it missing), never a
   crash halfway through the other tasks; an absent test set is a reason string, not an error;
@@ -112,7 +113,8 @@ def read_tsv(path, task, test=False):
         columns = ("text_a", "text_b")[:len(task.tsv_text)] + ("index" if test else "label",)
         return datasets.Dataset.from_dict({c: [] for c in columns})
     if task.header and not test:  # CoLA's train/dev have no header line, its test file has one
-        header, first = task.header, 0
+        pandas = numbered[0][1] == "\t".join(map(str, range(len(task.header))))  # to_csv's "0 1 2 3", not a row
+        header, first = task.header, int(pandas)
     else:
         header, first = numbered[0][1].split("\t"), 1
     col = {name: i for i, name in enumerate(header)}

@@ -781,6 +781,13 @@ def test_a_tsv_resaved_with_csv_quoting_reads_as_the_original(tmp_path):
         csv.writer(f, delimiter="\t", lineterminator="\n").writerows(table)  # quoting=QUOTE_MINIMAL, as pandas
     assert '"""the cat sat ."""' in path.read_text()
     assert glue_tasks.read_tsv(str(path), glue_tasks.TASKS["mrpc"]).to_dict() == original
+    # CoLA has no header line: pandas writes its own, "0 1 2 3", which read as one more training row ("3", label 1)
+    import pandas
+    path = glue / "CoLA" / "train.tsv"
+    original = glue_tasks.read_tsv(str(path), glue_tasks.TASKS["cola"]).to_dict()
+    pandas.read_csv(path, sep="\t", header=None, quoting=csv.QUOTE_NONE).to_csv(path, sep="\t", index=False)
+    assert path.read_text().startswith("0\t1\t2\t3\n")
+    assert glue_tasks.read_tsv(str(path), glue_tasks.TASKS["cola"]).to_dict() == original
 
 
 def test_a_header_without_a_needed_column_is_named_in_one_short_line(tmp_path):
