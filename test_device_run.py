@@ -59,23 +59,51 @@ def test_only_missing_wheels_are_installed(tmp_path):
     assert device_run.missing_wheels(str(tmp_path / "absent")) == []
 
 
-# a stage that prints, then sleeps until a SIGTERM makes it "save" and exit 143, as a training run does
+# a stage that prints, then sleeps until a SIGTERM makes it "save" and exit 143, as a training run does; once its
+# handler is set it makes the file sys.argv[1] (stage_clock's ready)
 SAVES_ON_SIGTERM = ("import signal, sys, time\n"
                     "signal.signal(signal.SIGTERM, lambda *a: (print('saved', flush=True), sys.exit(143)))\n"
-                    "print('started', flush=True); time.sleep(60)")
+                    "open(sys.argv[1], 'w').close(); print('started', flush=True); time.sleep(60)")
 
 
-def test_a_stage_gets_sigterm_at_the_deadline_then_sigkill(tmp_path, monkeypatch):
+@pytest.fixture
+def stage_clock(tmp_path, monkeypatch):
+    """run_stage's clock stopped from a stage's start until the stage has made the file `ready` (its signal
+    handling set): the deadlines and PACK_EVERY below, a second or less, count from there, as `now()` does. From
+    the call, a Python start slowed past them (a loaded machine; 0.6 s was enough) got the signal before the stage's
+    handler and died of it (-15), neither saving (143) nor ignoring it (SIGKILL after GRACE)."""
+    ready, lag = tmp_path / "ready", [0.0]
+
+    def popen_until_ready(*args, **kwargs):
+        t0 = time.time()
+        proc = subprocess.Popen(*args, **kwargs)
+        while not ready.exists() and proc.poll() is None:
+            time.sleep(0.01)
+        ready.unlink(missing_ok=True)
+        lag[0] += time.time() - t0
+        return proc
+
+    def now():
+        return time.time() - lag[0]
+    monkeypatch.setattr(device_run, "subprocess", types.SimpleNamespace(**{**vars(subprocess),
+                                                                            "Popen": popen_until_ready}))
+    monkeypatch.setattr(device_run, "time", types.SimpleNamespace(time=now, sleep=time.sleep))
+    return types.SimpleNamespace(ready=str(ready), now=now)
+
+
+def test_a_stage_gets_sigterm_at_the_deadline_then_sigkill(tmp_path, monkeypatch, stage_clock):
     monkeypatch.setattr(device_run, "GRACE", 1.0)
     lines, packs = [], []
     t0 = time.time()
-    code, stopped = device_run.run_stage([sys.executable, "-c", SAVES_ON_SIGTERM], dict(os.environ), lines.append,
-                                         str(tmp_path / "a.out"), time.time() + 1.5, lambda: packs.append(1))
+    code, stopped = device_run.run_stage([sys.executable, "-c", SAVES_ON_SIGTERM, stage_clock.ready], dict(os.environ),
+                                         lines.append, str(tmp_path / "a.out"), stage_clock.now() + 1.5,
+                                         lambda: packs.append(1))
     assert stopped and code == 143 and time.time() - t0 < 10
     assert "saved\n" in lines and (tmp_path / "a.out").read_text() == "started\nsaved\n"
-    deaf = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(60)"
-    code, stopped = device_run.run_stage([sys.executable, "-c", deaf], dict(os.environ), lines.append, None,
-                                         time.time() + 0.5, lambda: None)
+    deaf = ("import signal, sys, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+            "open(sys.argv[1], 'w').close(); time.sleep(60)")
+    code, stopped = device_run.run_stage([sys.executable, "-c", deaf, stage_clock.ready], dict(os.environ),
+                                         lines.append, None, stage_clock.now() + 0.5, lambda: None)
     assert stopped and code == -signal.SIGKILL and any("SIGKILL" in line for line in lines)
     code, stopped = device_run.run_stage([sys.executable, "-c", "pass"], dict(os.environ), lines.append, None,
                                          time.time() + 30, lambda: None)
@@ -604,15 +632,15 @@ def test_a_sigterm_to_the_command_ends_it_with_what_is_done_packed(fake_chunk):
 # run_stage: real processes
 
 
-def test_a_stage_is_stopped_at_its_deadline_and_packed_while_it_runs(tmp_path, monkeypatch):
+def test_a_stage_is_stopped_at_its_deadline_and_packed_while_it_runs(tmp_path, monkeypatch, stage_clock):
     monkeypatch.setattr(device_run, "GRACE", 5.0)
     monkeypatch.setattr(device_run, "PACK_EVERY", 0.3)
     lines, packs = [], []
-    t0 = time.time()
-    code, stopped = device_run.run_stage([sys.executable, "-c", SAVES_ON_SIGTERM], dict(os.environ), lines.append, None,
-                                         t0 + 1.2, lambda: packs.append(time.time()))
+    t0 = stage_clock.now()
+    code, stopped = device_run.run_stage([sys.executable, "-c", SAVES_ON_SIGTERM, stage_clock.ready], dict(os.environ),
+                                         lines.append, None, t0 + 1.2, lambda: packs.append(stage_clock.now()))
     assert stopped and code == 143 and "saved\n" in lines
-    assert time.time() - t0 < 4  # at the deadline, not a grace period after it
+    assert stage_clock.now() - t0 < 4  # at the deadline, not a grace period after it
     assert len(packs) >= 2 and all(t0 + 0.3 < t < t0 + 4 for t in packs), [t - t0 for t in packs]
 
 
@@ -639,16 +667,17 @@ def test_an_interrupt_as_the_stage_starts_reaches_the_stage(tmp_path, monkeypatc
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
-def test_a_stage_deaf_to_sigterm_is_killed_with_its_children(tmp_path, monkeypatch):
+def test_a_stage_deaf_to_sigterm_is_killed_with_its_children(tmp_path, monkeypatch, stage_clock):
     # the stage is reproduce.py, whose eval.py and train.py run in its process group: SIGKILL reaches them all, or
     # a GPU job outlives the command and the next call on the warm machine runs beside it
     monkeypatch.setattr(device_run, "GRACE", 0.5)
     deaf = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
-    stage = (f"import subprocess, sys\nchild = subprocess.Popen([sys.executable, '-c', {deaf!r}])\n"
-             f"print(child.pid, flush=True)\n{deaf}")
+    stage = (f"import signal, subprocess, sys, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+             f"child = subprocess.Popen([sys.executable, '-c', {deaf!r}])\n"
+             f"print(child.pid, flush=True); open(sys.argv[1], 'w').close(); time.sleep(60)")
     lines = []
-    code, stopped = device_run.run_stage([sys.executable, "-c", stage], dict(os.environ), lines.append, None,
-                                         time.time() + 1.0, lambda: None)
+    code, stopped = device_run.run_stage([sys.executable, "-c", stage, stage_clock.ready], dict(os.environ),
+                                         lines.append, None, stage_clock.now() + 1.0, lambda: None)
     child = int(next(line for line in lines if line.strip().isdigit()))
 
     def alive(pid):
@@ -666,7 +695,7 @@ def test_a_stage_deaf_to_sigterm_is_killed_with_its_children(tmp_path, monkeypat
             os.kill(child, signal.SIGKILL)
 
 
-def test_an_interrupted_command_passes_the_stop_to_its_stage(monkeypatch):
+def test_an_interrupted_command_passes_the_stop_to_its_stage(monkeypatch, stage_clock):
     # SIGTERM to device_run (a KeyboardInterrupt in run()) while a stage runs: the stage gets its stop signal and
     # saves before device_run packs and exits
     monkeypatch.setattr(device_run, "PACK_EVERY", 0.3)
@@ -675,11 +704,11 @@ def test_an_interrupted_command_passes_the_stop_to_its_stage(monkeypatch):
     def interrupt():
         raise KeyboardInterrupt
     lines = []
-    t0 = time.time()
+    t0 = stage_clock.now()
     with pytest.raises(KeyboardInterrupt):
-        device_run.run_stage([sys.executable, "-c", SAVES_ON_SIGTERM], dict(os.environ), lines.append, None,
-                             time.time() + 60, interrupt)
-    assert "saved\n" in lines and time.time() - t0 < 4
+        device_run.run_stage([sys.executable, "-c", SAVES_ON_SIGTERM, stage_clock.ready], dict(os.environ),
+                             lines.append, None, t0 + 60, interrupt)
+    assert "saved\n" in lines and stage_clock.now() - t0 < 4
 
 
 def make_wheel(folder, name, version, body="VALUE = 1\n"):
