@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 import analysis as A
+import data
 from model import Bert, BertConfig
 from test_eval import Killed, renames_then_killed
 
@@ -41,14 +42,8 @@ def make_text(num_lines=40, seed=0):
     return lines
 
 
-def make_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
-    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tok.decoder = decoders.WordPiece()
-    trainer = trainers.WordPieceTrainer(vocab_size=300, special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])
-    tok.train_from_iterator(make_text(200), trainer)
+def make_tokenizer():  # as a run's (data.train_tokenizer): `tokenizers` alone gives other ids on every run
+    tok = data.train_tokenizer(make_text(200), vocab_size=300)
     assert [tok.token_to_id(t) for t in ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")] == [0, 1, 2, 3, 4]
     return tok
 

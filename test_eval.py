@@ -16,6 +16,7 @@ import datasets
 import eval as ev
 import glue_scores as gs
 import glue_tasks
+from data import train_tokenizer
 from model import Bert, BertConfig
 
 GLUE_DIR = Path(__file__).resolve().parent.parent / "shared/data/glue"
@@ -133,18 +134,10 @@ SENTENCES = ["a good film , really good .", "a bad film , truly bad .", "the cat
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory):
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
-    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
-    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    tok.train_from_iterator(SENTENCES * 3, trainers.WordPieceTrainer(vocab_size=120, special_tokens=specials))
-    tok.post_processor = processors.TemplateProcessing(  # only the truncation reference test uses it
-        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    # data.train_tokenizer, not `tokenizers` alone: that gave other ids on every run (a Rust HashMap's random
+    # order), so each run fine-tuned another model and test_end_to_end failed about half its runs on torch 2.6
     d = tmp_path_factory.mktemp("tok")
-    tok.save(str(d / "tokenizer.json"))
-    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
-    (d / "vocab.txt").write_text("".join(t + "\n" for t, _ in vocab))
+    train_tokenizer(SENTENCES * 3, vocab_size=120, save_dir=str(d))
     return d
 
 
