@@ -95,7 +95,7 @@ def resolve_files(data):
     elif path.is_dir():
         files = sorted(p for p in _files_below(path) if _builder(p))
         if not files:
-            raise ValueError(f"no .txt/.raw/.jsonl/.parquet files (optionally .xz/.gz) in {data}; a glob names "
+            raise ValueError(f"no .txt/.raw/.jsonl/.parquet files (optionally .xz/.gz/.bz2) in {data}; a glob names "
                              f"files of any name (WikiExtractor's: --data '{data.rstrip('/')}/*/wiki_*')")
     elif path.is_file():
         files = [path]

@@ -139,7 +139,8 @@ def test_each_bad_path_is_refused_before_loading(tmp_path, monkeypatch):
     (tmp_path / "nocorpus" / "notes.md").write_text("not a corpus suffix")
     for bad, problem in [("missing.txt", "data path not found"), ("./missing", "data path not found"),
                          (str(tmp_path / "missing"), "data path not found"), ("nothing*.txt", "no files match"),
-                         ("nocorpus", "no .txt/.raw/.jsonl/.parquet files"), ("empty.txt", "empty data file"),
+                         ("nocorpus", "no .txt/.raw/.jsonl/.parquet files (optionally .xz/.gz/.bz2)"),
+                         ("empty.txt", "empty data file"),
                          ("nocorpus", "a glob names files of any name (WikiExtractor's: --data 'nocorpus/*/wiki_*')")]:
         with pytest.raises(ValueError, match=re.escape(problem)):
             corpus.resolve_files(bad)
@@ -148,12 +149,14 @@ def test_each_bad_path_is_refused_before_loading(tmp_path, monkeypatch):
 
 def test_a_directory_or_glob_gives_its_files_in_sorted_order(tmp_path):
     (tmp_path / "sub" / "deeper").mkdir(parents=True)
-    for name in ["b.txt", "A.TXT", "notes.md", "sub/a.jsonl", "sub/c.txt.xz", "sub/deeper/d.txt"]:
+    for name in ["b.txt", "A.TXT", "notes.md", "sub/a.jsonl", "sub/c.txt.xz", "sub/deeper/d.txt", "sub/e.txt.bz2"]:
         (tmp_path / name).write_text("some words\n")
-    assert corpus.resolve_files(str(tmp_path)) == [tmp_path / n for n in
-                                                  ["A.TXT", "b.txt", "sub/a.jsonl", "sub/c.txt.xz", "sub/deeper/d.txt"]]
+    assert corpus.resolve_files(str(tmp_path)) == [tmp_path / n for n in  # .bz2 too, as the error says
+                                                  ["A.TXT", "b.txt", "sub/a.jsonl", "sub/c.txt.xz", "sub/deeper/d.txt",
+                                                   "sub/e.txt.bz2"]]
     assert corpus.resolve_files(str(tmp_path / "**" / "*.txt")) == [tmp_path / "b.txt", tmp_path / "sub/deeper/d.txt"]
-    assert corpus.resolve_files(str(tmp_path / "s*" / "*")) == [tmp_path / "sub/a.jsonl", tmp_path / "sub/c.txt.xz"]
+    assert corpus.resolve_files(str(tmp_path / "s*" / "*")) == [tmp_path / n for n in
+                                                              ["sub/a.jsonl", "sub/c.txt.xz", "sub/e.txt.bz2"]]
 
 
 def test_a_directory_skips_hidden_files_and_folders(tmp_path):
