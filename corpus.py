@@ -181,8 +181,8 @@ def _cache_error(e, hf_cache, split_files, doing):
     so it exits 1 as any write the system refused, not 2 as bad input."""
     full = e.errno in FULL
     return OSError(f"{'no space left for' if full else 'cannot write'} the cache {hf_cache} ({e.strerror}"
-                      f"{f': {e.filename}' if e.filename else ''}) while {doing} {', '.join(split_files.values())}: "
-                      f"{'free some, or ' if full else ''}pass --cache_dir elsewhere")
+                   f"{f': {e.filename}' if e.filename else ''}) while {doing} {', '.join(split_files.values())}: "
+                   f"{'free some, or ' if full else ''}pass --cache_dir elsewhere")
 
 
 def _load_local(datasets, builder, split_files, hf_cache):
