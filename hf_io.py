@@ -462,6 +462,7 @@ def write_hf_dir(out_dir, state, hf_config, metadata, tokenizer_dir=None):
     def write_weights(tmp):
         try:
             save_file(state, tmp, metadata=metadata)
+            sort_safetensors_metadata(tmp)
         except SafetensorError as e:  # its own error for a write the disk refused, which eval.py's OSError line catches
             raise OSError(f"safetensors could not write {os.path.join(out_dir, 'model.safetensors')}: {e}") from None
         os.chmod(tmp, 0o666 & ~umask)  # safetensors writes 0600; the other files get the umask's mode
@@ -473,6 +474,23 @@ def write_hf_dir(out_dir, state, hf_config, metadata, tokenizer_dir=None):
             if os.path.isfile(src):
                 with open(src, encoding="utf-8") as f:
                     write_atomic(os.path.join(out_dir, name), f.read())
+
+
+def sort_safetensors_metadata(path):
+    """safetensors writes `__metadata__` in the order of a randomly seeded Rust HashMap, so saving the same
+    weights gave another model.safetensors (another sha256) in most saves, in one process or two. Its keys
+    sorted, the header keeps its length, so it is rewritten in place: the same weights, the same bytes."""
+    with open(path, "rb+") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+        metadata = header.pop("__metadata__", None)
+        if not metadata:
+            return
+        header = {"__metadata__": dict(sorted(metadata.items())), **header}
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        if len(text) <= size:  # always: the same keys and values, reordered
+            f.seek(8)
+            f.write(text + b" " * (size - len(text)))  # safetensors pads its header with spaces too
 
 
 def replace_atomic(path, write, tmp=None):

@@ -34,6 +34,27 @@ def test_export_loads_back_into_transformers(tmp_path):
         assert torch.equal(again.mlm_logits(again(x)), ours.mlm_logits(ours(x)))
 
 
+def test_the_same_weights_export_to_the_same_bytes(tmp_path):
+    """safetensors writes its metadata in a randomly seeded Rust HashMap's order: 4 of 8 saves of one model
+    came out in different bytes (the same command, a different sha256 of model.safetensors). Sorted now."""
+    import hashlib
+    from safetensors import safe_open
+    torch.manual_seed(0)
+    ours = Bert(BertConfig(**TINY))
+    digests = set()
+    for _ in range(8):
+        ours.save_pretrained(str(tmp_path), step=3)
+        raw = (tmp_path / "model.safetensors").read_bytes()
+        digests.add(hashlib.sha1(raw).hexdigest())
+        header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
+        assert list(header["__metadata__"]) == sorted(header["__metadata__"])
+    assert len(digests) == 1
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:  # still a valid file, metadata and tensors
+        assert f.metadata()["training_step"] == "3" and f.metadata()["format"] == "pt"
+    assert Bert.from_pretrained(str(tmp_path)).training_step == 3  # loading checks weights_sha1 against the tensors
+    assert transformers.AutoModelForMaskedLM.from_pretrained(str(tmp_path)) is not None
+
+
 def test_loaded_weights_leave_the_padded_vocab_rows_zero(tmp_path):
     # the checkpoint holds vocab_size rows: the padding rows are zeros, not this process's random init
     m = Bert.from_pretrained(save_hf(hf_tiny(), str(tmp_path)))
