@@ -354,11 +354,14 @@ def held_out_documents(text_path, model_path):
                                                          else "no such file"))
         return read_lines(text_path), text_path
     run_dir = model_path if os.path.isdir(model_path) else os.path.dirname(model_path)
+    cfg = None
     try:  # train.py's first log line holds data.prepare_data's arguments under their names
         with open(os.path.join(run_dir, "log.jsonl"), encoding="utf-8") as f:
             cfg = json.loads(f.readline())["config"]
         tok, _, val = data.prepare_data(cfg["data"], cfg["cache_dir"], run_dir, cfg["vocab_size"], cfg["val_fraction"])
     except Exception as e:
+        if cfg is not None and isinstance(e, OSError):  # the cache cannot be written (full, read-only): eval.py's
+            raise  # exit-1 line, as train.py's, not the sample corpus analysed in the split's place
         sample = getattr(data, "SAMPLE_CORPUS", None)
         if sample and os.path.isfile(sample):
             return read_lines(sample), f"{os.path.basename(sample)} (sample corpus; no validation split of {run_dir})"

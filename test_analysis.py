@@ -592,6 +592,21 @@ def test_held_out_text_falls_back_to_the_run_validation_split(tok, tmp_path, mon
         A.held_out_documents(str(tmp_path), run)
 
 
+def test_a_cache_that_cannot_be_written_is_an_error_not_the_sample_corpus(tok, tmp_path):
+    # corpus._cache_error's OSError (eval.py: one line, exit 1): --analysis analysed the shipped sample in the
+    # validation split's place, exit 0, its source saying only "no validation split"
+    import gzip
+    corpus = tmp_path / "corpus.txt.gz"
+    corpus.write_bytes(gzip.compress("\n".join(make_text(40, seed=1)).encode()))
+    (tmp_path / "cache" / "hf").mkdir(parents=True)
+    (tmp_path / "cache" / "hf" / "plain").write_text("")  # the folder of decompressed copies cannot be made
+    run = save_model(tiny_bert(tok.get_vocab_size()), tok, tmp_path / "run")
+    config = dict(data=str(corpus), cache_dir=str(tmp_path / "cache"), vocab_size=300, val_fraction=0.2)
+    (tmp_path / "run" / "log.jsonl").write_text(json.dumps({"config": config}) + "\n")
+    with pytest.raises(OSError, match="^cannot write the cache .*pass --cache_dir elsewhere"):
+        A.held_out_documents(None, run)
+
+
 def test_decoded_wikitext_loses_its_escapes_and_run_in_headings():
     # a run's validation split decoded by an uncased tokenizer: whole articles, headings run in, "@ - @" escapes
     doc = ("= robert boulter = robert boulter is an english film , television and theatre actor . he had a "
