@@ -8,6 +8,7 @@ What it guarantees:
   or pytorch_model.bin, sharded or not) loads with transformers' logits, and what save_pretrained writes loads
   in transformers.AutoModelForMaskedLM. hf_weight_names() is the one mapping between the two sets of names.
 - Every file is written atomically (a temporary file, then os.replace): a kill never leaves a partial file.
+- The same weights export to the same model.safetensors bytes (its metadata keys sorted).
 - Loading a checkpoint never runs code from it: weights come through safetensors or
   torch.load(weights_only=True) (torch >= 2.6); a file holding any other Python object is refused.
 - A bad file, config or weight is one ValueError that names the file and the problem (check_config: every
@@ -17,7 +18,8 @@ What it guarantees:
 Tests that hold it to this: test_hf_io.py (directories in and out, the error for each bad file, pickles
 refused on an unsafe torch), test_model.py (logits against transformers through from_pretrained), and in
 test_reliability.py test_a_pickle_payload_is_refused_and_never_runs and
-test_kill_between_checkpoint_and_export_leaves_a_loadable_run (a kill between the export's files).
+test_kill_between_checkpoint_and_export_leaves_a_loadable_run (a kill between the export's files);
+test_the_same_weights_export_to_the_same_bytes.
 """
 import hashlib
 import json
