@@ -372,3 +372,14 @@ def test_a_small_corpus_holds_out_a_tenth():
     # the held-out floor (VAL_MIN_TOKENS) is capped at 10% of a small corpus
     train_part, val = data.split_train_val(np.full(20_000, 7, dtype=np.uint16), 0.001, 3)
     assert len(val) == 2000 and len(train_part) == 18_000
+
+
+@pytest.mark.parametrize("lines, error", [
+    (["[PAD]", "[UNK]", "[CLS]", "[SEP]", "the"], r"lacks special tokens: \[MASK\]"),
+    (["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "city", "the"], r"lists 'the' twice \(lines 6 and 8\)")])
+def test_a_vocab_txt_without_a_special_token_or_with_a_repeated_line_is_refused(tmp_path, lines, error):
+    # a missing [MASK] was appended at id V and trained on; a repeated line left an id without a token, and the
+    # run stopped at its first tokenizer save on an AssertionError traceback
+    (tmp_path / "vocab.txt").write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=error):
+        data.load_tokenizer(tmp_path)

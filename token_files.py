@@ -132,6 +132,14 @@ def read_tokenizer(path):
         raise ValueError(f"cannot read vocabulary {path}: not UTF-8 text ({e.reason})") from None
     if "[UNK]" not in words:  # also catches an empty or truncated file
         raise ValueError(f"vocabulary {path} has no [UNK] line: empty, truncated or not a WordPiece vocab.txt")
+    # as tokenizer.json's check (data.special_token_ids): data.load_tokenizer would append a missing one at id V
+    missing = [t for t in ("[PAD]", "[CLS]", "[SEP]", "[MASK]") if t not in words]
+    if missing:
+        raise ValueError(f"vocabulary {path} lacks special tokens: {', '.join(missing)}")
+    seen = {}  # a repeated line leaves its first id to no token: ids are not 0..V-1, and exports cannot list them
+    for i, word in enumerate(words):
+        if seen.setdefault(word, i) != i:
+            raise ValueError(f"vocabulary {path} lists {word!r} twice (lines {seen[word] + 1} and {i + 1})")
     return Tokenizer(models.WordPiece.from_file(str(path), unk_token="[UNK]")), options
 
 def _hub_tokenizer(name):
