@@ -20,8 +20,8 @@ tokenization. Tokenizers' parallel encode_batch_fast was as fast as datasets.map
 without forking or a second arrow cache.
 
 What it guarantees:
-- an empty, truncated or otherwise unreadable tokenizer file or config, or a name the hub does not know, is
-  one ValueError naming it;
+- an empty, truncated or otherwise unreadable tokenizer file or config, a vocab.txt without one of BERT's
+  five special tokens or listing a token twice, or a name the hub does not know, is one ValueError naming it;
 - a token file is reused only when it has the size and checksum its sidecar records, and the sidecar is
   written last: a truncated or half-written cache is rebuilt (and says so), never trained on, and so is a
   corrupted one where the checksum reads (all of a file up to 64 MiB, sampled chunks of a larger one);
@@ -36,7 +36,8 @@ What it guarantees:
   the same size, mtime and ends; a hub dataset's key is its name (an update on the hub is not seen).
 
 Tests that hold it to this: test_data.py (test_save_is_atomic_and_corrupt_files_are_one_error,
-test_a_hub_name_fetches_that_tokenizer, test_hf_style_vocab, test_transformers_autotokenizer) and
+test_a_hub_name_fetches_that_tokenizer, test_hf_style_vocab, test_transformers_autotokenizer,
+test_a_vocab_txt_without_a_special_token_or_with_a_repeated_line_is_refused) and
 test_corpus.py (test_cache_reused_and_invalidated, test_corrupt_token_cache_is_rebuilt,
 test_what_killed_writers_left_in_the_cache_is_removed, test_a_run_waits_while_another_makes_the_cache,
 test_checksum_samples_large_files, test_corrupt_cached_tokenizer_is_retrained).
