@@ -1,5 +1,6 @@
 """Tests for data.py: the tokenizer and its files, the validation split, BlockLoader order/resume/DDP slicing,
 the bundled sample corpus. Corpus formats and the token cache: test_corpus.py."""
+import json
 import lzma
 import random
 import re
@@ -201,6 +202,26 @@ def test_transformers_autotokenizer(tok_dir, tmp_path):
     text = "The Alpha river was RELEASED in the city."
     assert hf(text)["input_ids"] == tok.encode(text).ids
     assert (hf.pad_token_id, hf.cls_token_id, hf.sep_token_id, hf.mask_token_id) == (0, 2, 3, 4)
+
+
+@pytest.mark.parametrize("options", [
+    dict(lowercase=True, strip_accents=False), dict(lowercase=False, strip_accents=True),
+    dict(lowercase=True, chinese_chars=False)])
+def test_an_export_normalizes_in_transformers_as_in_training(tmp_path, options):
+    # a --tokenizer whose tokenizer_config.json sets strip_accents or tokenize_chinese_chars: the export wrote
+    # do_lower_case alone, and BertTokenizerFast rebuilt its normalizer from that ("café" -> "cafe", 中 split)
+    transformers = pytest.importorskip("transformers")
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "café", "cafe", "Café", "Cafe", "中", "文", "中文", "##文"]
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "vocab.txt").write_text("\n".join(words) + "\n", encoding="utf-8")
+    config = dict(do_lower_case=options["lowercase"], strip_accents=options.get("strip_accents"),
+                  tokenize_chinese_chars=options.get("chinese_chars", True))
+    (tmp_path / "src" / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = data.load_tokenizer(tmp_path / "src")
+    data.save_tokenizer(tok, tmp_path / "out")
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))
+    text = "Café 中文"
+    assert hf(text)["input_ids"] == tok.encode(text).ids, (hf.tokenize(text), tok.encode(text).tokens)
 
 
 # ----------------------------------------------------------------------------- stream split

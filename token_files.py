@@ -161,10 +161,13 @@ def write_tokenizer(tok, dir, model_max_length=512):
     assert [vocab[w] for w in words] == list(range(len(words))), "vocab ids must be 0..V-1"
     write_atomic(dir / "tokenizer.json", tok.to_str(pretty=True))
     write_atomic(dir / "vocab.txt", "\n".join(words) + "\n")
-    lowercase = (json.loads(tok.to_str()).get("normalizer") or {}).get("lowercase", True)
+    norm = json.loads(tok.to_str()).get("normalizer") or {}
     specials = dict(unk_token="[UNK]", sep_token="[SEP]", pad_token="[PAD]",
                     cls_token="[CLS]", mask_token="[MASK]")
-    config = dict(tokenizer_class="BertTokenizerFast", do_lower_case=lowercase,
+    # all three: BertTokenizerFast rebuilds its normalizer from them (strip_accents missing: it follows lowercase)
+    config = dict(tokenizer_class="BertTokenizerFast", do_lower_case=norm.get("lowercase", True),
+                  strip_accents=norm.get("strip_accents"),
+                  tokenize_chinese_chars=norm.get("handle_chinese_chars", True),
                   model_max_length=model_max_length, **specials)
     write_atomic(dir / "tokenizer_config.json", json.dumps(config, indent=2))
     write_atomic(dir / "special_tokens_map.json", json.dumps(specials, indent=2))
