@@ -224,6 +224,20 @@ def test_an_export_normalizes_in_transformers_as_in_training(tmp_path, options):
     assert hf(text)["input_ids"] == tok.encode(text).ids, (hf.tokenize(text), tok.encode(text).tokens)
 
 
+def test_an_export_without_a_bert_normalizer_normalizes_in_transformers_as_in_training(tmp_path):
+    # a tokenizer.json with another normalizer (none, NFC): BertTokenizerFast swapped in a lowercasing BertNormalizer
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, normalizers
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "Café", "cafe", "中文"]
+    (tmp_path / "vocab.txt").write_text("\n".join(words) + "\n", encoding="utf-8")
+    for name, normalizer in (("none", None), ("nfc", normalizers.Sequence([normalizers.NFC()]))):
+        tok = Tokenizer.from_str(data.load_tokenizer(tmp_path).to_str())
+        tok.normalizer = normalizer
+        data.save_tokenizer(tok, tmp_path / name)
+        hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path / name))
+        assert hf("Café 中文")["input_ids"] == tok.encode("Café 中文").ids, (name, hf.tokenize("Café 中文"))
+
+
 # ----------------------------------------------------------------------------- stream split
 
 def test_val_split(tmp_path):

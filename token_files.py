@@ -164,10 +164,12 @@ def write_tokenizer(tok, dir, model_max_length=512):
     norm = json.loads(tok.to_str()).get("normalizer") or {}
     specials = dict(unk_token="[UNK]", sep_token="[SEP]", pad_token="[PAD]",
                     cls_token="[CLS]", mask_token="[MASK]")
-    # all three: BertTokenizerFast rebuilds its normalizer from them (strip_accents missing: it follows lowercase)
-    config = dict(tokenizer_class="BertTokenizerFast", do_lower_case=norm.get("lowercase", True),
-                  strip_accents=norm.get("strip_accents"),
-                  tokenize_chinese_chars=norm.get("handle_chinese_chars", True),
+    # BertTokenizerFast rebuilds its normalizer from these three (strip_accents missing: it follows lowercase),
+    # and replaces any other normalizer with a BertNormalizer: then transformers reads tokenizer.json as it is
+    bert = norm.get("type") == "BertNormalizer"
+    options = dict(do_lower_case=norm.get("lowercase", True), strip_accents=norm.get("strip_accents"),
+                   tokenize_chinese_chars=norm.get("handle_chinese_chars", True)) if bert else {}
+    config = dict(tokenizer_class="BertTokenizerFast" if bert else "PreTrainedTokenizerFast", **options,
                   model_max_length=model_max_length, **specials)
     write_atomic(dir / "tokenizer_config.json", json.dumps(config, indent=2))
     write_atomic(dir / "special_tokens_map.json", json.dumps(specials, indent=2))
