@@ -418,3 +418,16 @@ def test_a_vocab_txt_without_a_special_token_or_with_a_repeated_line_is_refused(
     (tmp_path / "vocab.txt").write_text("\n".join(lines) + "\n")
     with pytest.raises(ValueError, match=error):
         data.load_tokenizer(tmp_path)
+
+
+def test_a_tokenizer_json_whose_ids_are_not_0_to_v_minus_1_is_refused(tmp_path):
+    # a gap (or two tokens on one id): train.py tokenized the corpus, then stopped at its first tokenizer save on
+    # an AssertionError traceback (no vocab.txt can list such ids)
+    tok = data.train_tokenizer(["the cat sat on the mat"] * 20, vocab_size=60)
+    for shift, error in ((5, r"its ids are not 0\.\.\d+ \(no token has id \d+\)"), (-1, r"two tokens have id \d+")):
+        spec = json.loads(tok.to_str())
+        vocab = spec["model"]["vocab"]
+        vocab[max(vocab, key=vocab.get)] += shift
+        (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+        with pytest.raises(ValueError, match=error):
+            data.load_tokenizer(tmp_path / "tokenizer.json")

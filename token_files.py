@@ -21,7 +21,8 @@ without forking or a second arrow cache.
 
 What it guarantees:
 - an empty, truncated or otherwise unreadable tokenizer file or config, a vocab.txt without one of BERT's
-  five special tokens or listing a token twice, or a name the hub does not know, is one ValueError naming it;
+  five special tokens or listing a token twice, a tokenizer.json whose ids are not 0..V-1, or a name the hub
+  does not know, is one ValueError naming it;
 - a token file is reused only when it has the size and checksum its sidecar records, and the sidecar is
   written last: a truncated or half-written cache is rebuilt (and says so), never trained on, and so is a
   corrupted one where the checksum reads (all of a file up to 64 MiB, sampled chunks of a larger one);
@@ -37,7 +38,8 @@ What it guarantees:
 
 Tests that hold it to this: test_data.py (test_save_is_atomic_and_corrupt_files_are_one_error,
 test_a_hub_name_fetches_that_tokenizer, test_hf_style_vocab, test_transformers_autotokenizer,
-test_a_vocab_txt_without_a_special_token_or_with_a_repeated_line_is_refused) and
+test_a_vocab_txt_without_a_special_token_or_with_a_repeated_line_is_refused,
+test_a_tokenizer_json_whose_ids_are_not_0_to_v_minus_1_is_refused) and
 test_corpus.py (test_cache_reused_and_invalidated, test_corrupt_token_cache_is_rebuilt,
 test_what_killed_writers_left_in_the_cache_is_removed, test_a_run_waits_while_another_makes_the_cache,
 test_checksum_samples_large_files, test_corrupt_cached_tokenizer_is_retrained).
@@ -124,9 +126,15 @@ def read_tokenizer(path):
         raise ValueError(f"tokenizer not found: {path}")
     if path.suffix == ".json":
         try:
-            return Tokenizer.from_file(str(path)), None
+            tok = Tokenizer.from_file(str(path))
         except Exception as e:  # the Rust loader's error: "EOF while parsing a value at line 1..."
             raise ValueError(f"cannot read tokenizer {path}: {first_line(e)}") from None
+        ids = sorted(tok.get_vocab().values())  # 0..V-1, or no vocab.txt can list them (the first save failed)
+        if ids != list(range(len(ids))):
+            i = next(i for i, j in enumerate(ids) if i != j)
+            raise ValueError(f"tokenizer {path}: its ids are not 0..{len(ids) - 1} "
+                             f"({f'no token has id {i}' if ids[i] > i else f'two tokens have id {ids[i]}'})")
+        return tok, None
     try:
         words = path.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError as e:
