@@ -41,10 +41,11 @@ import torch
 import torch.nn.functional as F
 
 import data
+from atomic import replace_atomic, write_atomic
 from config import dir_problem
 from corpus import read_text
 from glue_tasks import TASKS, load_hub, read_tsv
-from hf_io import replace_atomic, still_training, write_atomic
+from hf_io import still_training
 from model import Bert
 from rundir import locked, move_aside
 from token_files import vocab_matches

@@ -64,6 +64,7 @@ from dataclasses import replace
 
 import torch
 
+from atomic import write_atomic
 from losses import LOSSES, eligible_positions
 from hf_io import config_to_hf
 from model import Bert, BertConfig, MODEL_PRESETS
@@ -386,9 +387,7 @@ def hf_ratio(ours, hf):
 
 def write_json(path, obj):
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(path + ".tmp", path)
+    write_atomic(path, json.dumps(obj, indent=1))
 
 
 def main(argv=None):

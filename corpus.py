@@ -36,6 +36,8 @@ import re
 from contextlib import contextmanager
 from pathlib import Path
 
+from atomic import replace_atomic
+
 # data.DEFAULT_DATA: the WikiText-2 raw test split, 1.3 MB of real Wikipedia text (0.37 MB as .xz), enough
 # for smoke runs and tests without a network
 SAMPLE_CORPUS = str(Path(__file__).resolve().parent / "assets" / "wikitext2_test.raw.xz")
@@ -156,8 +158,8 @@ def _decompressed(f, hf_cache):
     UTF-8 (Windows') the text was misread or refused."""
     plain = Path(hf_cache) / "plain" / f"{hashlib.sha1(os.path.abspath(f).encode()).hexdigest()[:16]}.txt"
     plain.parent.mkdir(parents=True, exist_ok=True)
-    tmp = f"{plain}.{os.getpid()}.tmp"
-    try:
+
+    def write(tmp):
         with DECOMPRESS[Path(f).suffix](f, "rb") as src, open(tmp, "wb") as dst:
             while True:
                 try:
@@ -169,10 +171,7 @@ def _decompressed(f, hf_cache):
                     break
                 dst.write(chunk)  # an OSError here is the cache's: _load_local says so
         os.utime(tmp, ns=(os.stat(f).st_mtime_ns,) * 2)
-        os.replace(tmp, plain)  # atomic: a concurrent run writes the same text
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    replace_atomic(str(plain), write, tmp=f"{plain}.{os.getpid()}.tmp")  # a concurrent run writes the same text
     return str(plain)
 
 

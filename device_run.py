@@ -54,6 +54,7 @@ import threading
 import time
 
 import reproduce  # torch-free: this file must run before the wheels are installed
+from atomic import write_atomic
 from corpus import first_line  # standard library only at import, as reproduce
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -715,7 +716,7 @@ def chunk_results(chunk_dir, chunk):
     results = reproduce.collect(args, args.runs)
     pngs = reproduce.plot(results, chunk_dir)
     reproduce.save_json(results, os.path.join(chunk_dir, "results.json"))
-    reproduce.save_text(reproduce.markdown(results, pngs), os.path.join(chunk_dir, "results.md"))
+    write_atomic(os.path.join(chunk_dir, "results.md"), reproduce.markdown(results, pngs))
     return results, pngs
 
 
@@ -760,7 +761,7 @@ def merge(args):
         sys.exit(f"error: no chunk in {into}: pass the archives (CHUNK.tar.gz) the device runs brought back")
     results = {c: chunk_results(os.path.join(into, c), c) for c in records if c != "speed"}
     text = merged_markdown(records, results, into)
-    reproduce.save_text(text, os.path.join(into, "results.md"))
+    write_atomic(os.path.join(into, "results.md"), text)
     print(f"wrote {os.path.join(into, 'results.md')} ({', '.join(records)}; not run: "
           f"{', '.join(c for c in CHUNKS if c not in records) or 'none'})")
 

@@ -47,12 +47,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import analysis
+from atomic import write_atomic
 from config import Parser, dir_problem
 from console import Console
 from data import load_tokenizer, special_token_ids
 from glue_scores import AVG8, AVG9, MAIN, glue_table, like_for_like, score
 from glue_tasks import SUBMISSIONS, TASKS, TaskMissing, load_task
-from hf_io import config_to_hf, still_training, write_atomic, write_hf_dir
+from hf_io import config_to_hf, still_training, write_hf_dir
 from model import Bert
 from rundir import locked, move_aside
 

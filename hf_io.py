@@ -7,7 +7,8 @@ What it guarantees:
 - Hugging Face-compatible directories in and out: a BertForMaskedLM or BertModel directory (model.safetensors
   or pytorch_model.bin, sharded or not) loads with transformers' logits, and what save_pretrained writes loads
   in transformers.AutoModelForMaskedLM. hf_weight_names() is the one mapping between the two sets of names.
-- Every file is written atomically (a temporary file, then os.replace): a kill never leaves a partial file.
+- Every file is written atomically (atomic.py: a temporary file, fsynced, then os.replace): neither a kill nor a
+  power cut leaves a partial file.
 - The same weights export to the same model.safetensors bytes (its metadata keys sorted).
 - Loading a checkpoint never runs code from it: weights come through safetensors or
   torch.load(weights_only=True) (torch >= 2.6); a file holding any other Python object is refused.
@@ -27,10 +28,11 @@ import math
 import os
 import re
 from dataclasses import fields
-from pathlib import Path
 
 import torch
 import torch.nn as nn
+
+from atomic import replace_atomic, write_atomic
 
 
 # ----------------------------------------------------------------------------------
@@ -493,26 +495,3 @@ def sort_safetensors_metadata(path):
         if len(text) <= size:  # always: the same keys and values, reordered
             f.seek(8)
             f.write(text + b" " * (size - len(text)))  # safetensors pads its header with spaces too
-
-
-def replace_atomic(path, write, tmp=None):
-    """write(tmp), fsync, then os.replace(tmp, path): a kill never leaves a partial `path`, nor does a power
-    cut (the data is on disk before the rename), and a failed write (a full disk) removes its temporary file
-    before the error goes on (a kill's is removed by the next run)."""
-    tmp = tmp or path + ".tmp"
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as f:  # rb+: Windows' fsync wants a writable handle; nothing is truncated
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        if os.path.isfile(tmp):
-            os.remove(tmp)
-        if isinstance(e, OSError) and e.errno and e.filename is None:  # a write the disk refused names no file
-            e.filename = path
-        raise
-
-
-def write_atomic(path, text, tmp=None):
-    """Text via a temporary file and os.replace (train.py and eval.py use it)."""
-    replace_atomic(path, lambda name: Path(name).write_text(text, encoding="utf-8"), tmp)

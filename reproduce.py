@@ -40,6 +40,7 @@ import time
 import uuid
 
 import corpus  # standard library only at import: this file runs before the wheels are installed
+from atomic import replace_atomic, write_atomic
 from console import Console
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -370,31 +371,8 @@ def try_lock(path):
     return f
 
 
-def replace_atomic(path, write, tmp=None):
-    """write(tmp), then os.replace(tmp, path), as hf_io's (not imported: it loads torch): a write the disk refuses
-    removes tmp and names path in its error."""
-    tmp = tmp or path + ".tmp"
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except OSError as e:
-        if os.path.isfile(tmp):
-            os.remove(tmp)
-        if e.errno and e.filename is None:
-            e.filename = path
-        raise
-
-
 def save_json(obj, path):
-    save_text(json.dumps(obj, indent=2), path)
-
-
-def save_text(text, path):
-    """text into path as UTF-8, atomically (replace_atomic)."""
-    def write(tmp):
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-    replace_atomic(path, write)
+    write_atomic(path, json.dumps(obj, indent=2))
 
 
 def note_time(run_dir, stage, seconds):
@@ -849,7 +827,7 @@ def report(args, runs):
     pngs = plot(results, args.out_dir)
     save_json(results, os.path.join(args.out_dir, "results.json"))
     text = markdown(results, pngs)
-    save_text(text, os.path.join(args.out_dir, "results.md"))
+    write_atomic(os.path.join(args.out_dir, "results.md"), text)
     print(text)
     print(f"wrote {os.path.join(args.out_dir, 'results.md')}, results.json and {len(pngs)} plots")
 

@@ -32,8 +32,9 @@ from safetensors import SafetensorError
 import data
 import distributed
 import token_files
+from atomic import replace_atomic, write_atomic
 from config import RankError, TrainConfig, data_path, init_dir, parse_args, pooled, unread_flags, validate
-from hf_io import load_checkpoint_file, load_safetensors, replace_atomic, still_training, write_atomic
+from hf_io import load_checkpoint_file, load_safetensors, still_training
 from model import Bert, BertConfig
 from monitor import Diverged, duration
 

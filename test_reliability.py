@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 
+import atomic
 import config
 import data
 import hf_io
@@ -569,15 +570,28 @@ def no_space(*_):
     raise OSError(errno.ENOSPC, "No space left on device")
 
 
-def test_an_atomic_write_is_on_disk_before_its_rename(tmp_path, monkeypatch):
+def compressed_text(tmp_path):
+    import lzma
+    lzma.open(tmp_path / "corpus.txt.xz", "wt").write("some text\n")
+    return str(tmp_path / "corpus.txt.xz")
+
+
+@pytest.mark.parametrize("writer", [
+    lambda tmp: atomic.write_atomic(str(tmp / "config.json"), "{}"),
+    lambda tmp: __import__("reproduce").save_json({}, str(tmp / "results.json")),
+    lambda tmp: __import__("bench").write_json(str(tmp / "bench.json"), {}),
+    lambda tmp: __import__("corpus")._decompressed(compressed_text(tmp), str(tmp / "hf")),
+], ids=["atomic", "reproduce", "bench", "decompressed-corpus"])
+def test_an_atomic_write_is_on_disk_before_its_rename(tmp_path, monkeypatch, writer):
     # fsync before os.replace: after a power cut the old file or the new one, never an empty new one
     events = []
     real_fsync, real_replace = os.fsync, os.replace
     monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
                                                  real_fsync(fd)))
     monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", str(a))), real_replace(a, b)))
-    hf_io.write_atomic(str(tmp_path / "config.json"), "{}")
-    assert events == [("fsync", str(tmp_path / "config.json.tmp")), ("replace", str(tmp_path / "config.json.tmp"))]
+    writer(tmp_path)
+    assert [e[0] for e in events] == ["fsync", "replace"] and events[0][1] == events[1][1]
+    assert not os.path.exists(events[1][1])  # renamed into place
 
 
 def test_an_atomic_write_stopped_by_ctrl_c_leaves_no_temporary_file(tmp_path):
@@ -590,7 +604,7 @@ def test_an_atomic_write_stopped_by_ctrl_c_leaves_no_temporary_file(tmp_path):
         Path(tmp).write_bytes(b"half")
         raise KeyboardInterrupt
     with pytest.raises(KeyboardInterrupt):
-        hf_io.replace_atomic(str(target), interrupted)
+        atomic.replace_atomic(str(target), interrupted)
     assert target.read_bytes() == b"good" and [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
 
 
@@ -604,7 +618,7 @@ def test_a_full_disk_anywhere_is_one_error_line_and_keeps_the_last_checkpoint(co
         Path(tmp).write_text("ha")
         no_space()
     with pytest.raises(OSError):
-        hf_io.replace_atomic(str(target), half_written)
+        atomic.replace_atomic(str(target), half_written)
     assert target.read_text() == "good" and [p.name for p in tmp_path.iterdir()] == ["config.json"]
 
     # the disk is full before the first save: the tokenizer cannot be written
@@ -679,7 +693,7 @@ def test_a_run_started_on_a_full_disk_is_one_error_line(corpus, cache, tmp_path,
     def refused(tmp):
         raise OSError("encoder error -2 when writing image file")  # PIL's, with no errno: left as it is
     with pytest.raises(OSError, match="^encoder error -2 when writing image file$"):
-        hf_io.replace_atomic(str(tmp_path / "plot.png"), refused)
+        atomic.replace_atomic(str(tmp_path / "plot.png"), refused)
 
 
 def test_a_checkpoint_the_disk_cuts_short_names_the_file_and_the_likely_cause(corpus, cache, tmp_path, capsys):

@@ -60,8 +60,8 @@ import numpy as np
 from tokenizers import Tokenizer, models
 from tqdm import tqdm
 
+import atomic
 import corpus
-import hf_io
 from corpus import first_line, quiet_hub
 
 FORMAT_VERSION = 2  # bump when the stream layout changes: old token files are then ignored (2: "[SEP]" in text is text)
@@ -99,8 +99,8 @@ def alphabet(texts, normalizer, limit):
 
 
 def write_atomic(path, text):
-    """hf_io.write_atomic with a temporary name of this process's own: two runs may write one cache."""
-    hf_io.write_atomic(str(path), text, tmp=f"{path}.tmp{os.getpid()}")
+    """atomic.write_atomic with a temporary name of this process's own: two runs may write one cache."""
+    atomic.write_atomic(str(path), text, tmp=f"{path}.tmp{os.getpid()}")
 
 def read_tokenizer(path):
     """(tokenizer, None) from tokenizer.json, a directory holding one, or a hub name; (bare WordPiece, options)
@@ -366,7 +366,7 @@ def tokenize(tok, parts, path, dtype, sep, data):
     # on disk, then renamed; a bad row or Ctrl-C leaves no partial file (a SIGKILL's: the next making removes it)
     encode_special_tokens = tok.encode_special_tokens
     try:
-        hf_io.replace_atomic(str(path), write, tmp=f"{path}.tmp{os.getpid()}")
+        atomic.replace_atomic(str(path), write, tmp=f"{path}.tmp{os.getpid()}")
     finally:
         tok.encode_special_tokens = encode_special_tokens  # the caller's tokenizer as it was
     bar.close()
