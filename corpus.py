@@ -5,11 +5,11 @@ pieces only when its token cache (token_files.py) misses, and any list of string
 
 What it reads: a `datasets` hub name ("wikitext:wikitext-103-raw-v1" = load_dataset("wikitext",
 "wikitext-103-raw-v1")) or a local file / directory / glob of .txt .raw .jsonl .parquet, optionally
-.xz/.gz/.bz2 compressed (text we decompress into the cache first, datasets the rest); a directory's hidden
-files and folders (.name) are skipped and linked folders followed (each real one once). A document starts
-at each file, each jsonl/parquet row, each WikiExtractor `<doc ...>` line (the <doc>/</doc> lines
-themselves are dropped) and each WikiText top-level heading ` = Title = ` (after a blank row, in a file
-that has them). Blank lines are dropped.
+.xz/.gz/.bz2/.zst compressed (text we decompress into the cache first, datasets the rest; .zst needs the
+zstandard package); a directory's hidden files and folders (.name) are skipped and linked folders followed
+(each real one once). A document starts at each file, each jsonl/parquet row, each WikiExtractor `<doc ...>`
+line (the <doc>/</doc> lines themselves are dropped) and each WikiText top-level heading ` = Title = ` (after
+a blank row, in a file that has them). Blank lines are dropped.
 
 What it guarantees:
 - a bad path (missing, an empty file, a glob or directory matching nothing) is one ValueError naming it,
@@ -97,8 +97,8 @@ def resolve_files(data):
     elif path.is_dir():
         files = sorted(p for p in _files_below(path) if _builder(p))
         if not files:
-            raise ValueError(f"no .txt/.raw/.jsonl/.parquet files (optionally .xz/.gz/.bz2) in {data}; a glob names "
-                             f"files of any name (WikiExtractor's: --data '{data.rstrip('/')}/*/wiki_*')")
+            raise ValueError(f"no .txt/.raw/.jsonl/.parquet files (optionally .xz/.gz/.bz2/.zst) in {data}; a glob "
+                             f"names files of any name (WikiExtractor's: --data '{data.rstrip('/')}/*/wiki_*')")
     elif path.is_file():
         files = [path]
     elif data.startswith(("/", ".", "~")) or _builder(path):
@@ -218,6 +218,8 @@ def _load_local(datasets, builder, split_files, hf_cache):
                 except Exception as e_file:
                     culprit, problem = f, _read_problem(e_file)
                     break
+        if culprit.endswith(".zst") and "zstd" in problem:  # datasets reads .zst through the zstandard package
+            problem += " (install the zstandard package: pip install zstandard)"
         raise ValueError(f"cannot read {culprit} as {builder}: {problem}") from None
 
 def load_corpus(data, files, cache_dir):

@@ -139,7 +139,7 @@ def test_each_bad_path_is_refused_before_loading(tmp_path, monkeypatch):
     (tmp_path / "nocorpus" / "notes.md").write_text("not a corpus suffix")
     for bad, problem in [("missing.txt", "data path not found"), ("./missing", "data path not found"),
                          (str(tmp_path / "missing"), "data path not found"), ("nothing*.txt", "no files match"),
-                         ("nocorpus", "no .txt/.raw/.jsonl/.parquet files (optionally .xz/.gz/.bz2)"),
+                         ("nocorpus", "no .txt/.raw/.jsonl/.parquet files (optionally .xz/.gz/.bz2/.zst)"),
                          ("empty.txt", "empty data file"),
                          ("nocorpus", "a glob names files of any name (WikiExtractor's: --data 'nocorpus/*/wiki_*')")]:
         with pytest.raises(ValueError, match=re.escape(problem)):
@@ -553,6 +553,21 @@ def test_a_cache_that_cannot_take_the_decompressed_copy_is_blamed_not_the_corpus
     with pytest.raises(OSError, match=r"^cannot write the cache .*hf \(File exists: .*plain\) while preparing "
                                          r".*a.txt.gz: pass --cache_dir elsewhere$"):
         corpus.load_corpus(str(tmp_path / "a.txt.gz"), [tmp_path / "a.txt.gz"], tmp_path / "cache")
+
+
+def test_a_zst_file_without_zstandard_names_the_package(tmp_path):
+    # datasets reads .zst through the zstandard package, which requirements.txt does not list
+    pytest.importorskip("datasets")
+    try:
+        import zstandard  # noqa: F401
+        pytest.skip("zstandard is installed: the .zst file reads")
+    except ImportError:
+        pass
+    import datasets
+    (tmp_path / "a.txt.zst").write_bytes(bytes.fromhex("28b52ffd0458510000736f6d6520746578740a02e51a06"))  # "some text"
+    with pytest.raises(ValueError, match=r"a.txt.zst as text: .*zstd.*\(install the zstandard package: pip install "
+                                         r"zstandard\)$"):
+        corpus._load_local(datasets, "text", {"train": str(tmp_path / "a.txt.zst")}, str(tmp_path / "hf"))
 
 
 def test_a_datasets_cache_that_cannot_be_written_blames_the_cache_not_the_corpus(tmp_path, monkeypatch):
