@@ -17,10 +17,9 @@ What it guarantees:
   the model is built).
 
 Tests that hold it to this: test_hf_io.py (directories in and out, the error for each bad file, pickles
-refused on an unsafe torch), test_model.py (logits against transformers through from_pretrained), and in
-test_reliability.py test_a_pickle_payload_is_refused_and_never_runs and
-test_kill_between_checkpoint_and_export_leaves_a_loadable_run (a kill between the export's files);
-test_the_same_weights_export_to_the_same_bytes.
+refused on an unsafe torch; test_the_same_weights_export_to_the_same_bytes), test_model.py (logits against
+transformers through from_pretrained), and in test_reliability.py test_a_pickle_payload_is_refused_and_never_runs
+and test_kill_between_checkpoint_and_export_leaves_a_loadable_run (a kill between the export's files).
 """
 import hashlib
 import json

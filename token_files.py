@@ -31,7 +31,8 @@ What it guarantees:
   leaves a partial file under its real name, and what killed writers left is removed by the next run that
   takes the lock;
 - concurrent runs on one cache do not corrupt it: the second waits on an OS lock (released however its
-  holder dies), then finds the files made; a read-only cache is read without a lock;
+  holder dies), then finds the files made; a read-only cache is read without a lock (eval.py --analysis
+  reading a run's held-out split; train.py refuses a --cache_dir it cannot write, before any work);
 - editing, touching or replacing a data file, or changing the tokenizer, gives a new key (a file's path, size,
   mtime and first and last 4 KiB): a cache does not serve stale tokens unless a file is replaced by one of
   the same size, mtime and ends; a hub dataset's key is its name (an update on the hub is not seen).
