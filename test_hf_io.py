@@ -241,6 +241,27 @@ def test_sharded_checkpoint_and_special_ids_from_tokenizer_json(tmp_path):
         Bert.from_pretrained(str(tmp_path))
 
 
+def test_a_sharded_pytorch_model_bin_loads(tmp_path):
+    # older transformers (< 5) shard pytorch_model.bin: the same weights as the sharded safetensors above
+    from safetensors.torch import load_file
+    hf = hf_tiny()
+    hf.save_pretrained(str(tmp_path), max_shard_size="20KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    renamed = {shard: shard.replace("model-", "pytorch_model-").replace(".safetensors", ".bin")
+               for shard in set(index["weight_map"].values())}
+    assert len(renamed) > 1
+    for shard, name in renamed.items():
+        torch.save(load_file(str(tmp_path / shard)), str(tmp_path / name))
+        (tmp_path / shard).unlink()
+    index["weight_map"] = {k: renamed[v] for k, v in index["weight_map"].items()}
+    (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    (tmp_path / "model.safetensors.index.json").unlink()
+    ours = Bert.from_pretrained(str(tmp_path)).eval()
+    x = torch.randint(5, 100, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(ours.mlm_logits(ours(x)), hf(input_ids=x).logits, atol=1e-5, rtol=0)
+
+
 def test_an_export_with_its_ids_in_config_json_does_not_read_the_tokenizer(tmp_path):
     Bert(BertConfig(**TINY)).save_pretrained(str(tmp_path))
     (tmp_path / "vocab.txt").write_bytes(b"\xff\xfe")  # damaged, and not needed: config.json holds every id
