@@ -900,10 +900,10 @@ def plot_word_similarity(results, raws, path):
 # Training curves of several runs
 
 
-def read_log(path):
+def read_log(path, finite=True):
     """{key: (steps, values)} of every numeric key in a log.jsonl; the first line (config)
     and unparsable lines (a run killed mid-write) are skipped; a resumed run's repeated
-    steps keep the latest value."""
+    steps keep the latest value. finite=False keeps inf and NaN values (a diverged held-out loss)."""
     series = {}
     for line in read_text(path).splitlines():  # not UTF-8: one error naming file and line
         try:
@@ -914,9 +914,22 @@ def read_log(path):
             continue
         for key, value in record.items():
             if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool) \
-                    and math.isfinite(value):
+                    and (math.isfinite(value) or not finite):
                 series.setdefault(key, {})[record["step"]] = value
     return {key: (sorted(points), [points[s] for s in sorted(points)]) for key, points in series.items()}
+
+
+def read_starts(path):
+    """log.jsonl's start and resume records ({"config", "provenance", ...}), in order."""
+    starts = []
+    for line in read_text(path).splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("config"), dict):
+            starts.append(record)
+    return starts
 
 
 def plot_logs(paths, out):
@@ -933,7 +946,13 @@ def plot_logs(paths, out):
         raise ValueError(f"{table_path} exists and is not a table that --plot_log wrote: it would be overwritten; "
                          f"choose another --out")
     labels = _labels([os.path.dirname(os.path.abspath(p)) for p in paths], paths)
-    logs = {label: read_log(p) for label, p in zip(labels, paths)}
+    raw = {label: read_log(p, finite=False) for label, p in zip(labels, paths)}  # the table shows an inf as inf
+    logs = {label: {} for label in raw}  # the curves leave the non-finite points out
+    for label, log in raw.items():
+        for key, (steps, values) in log.items():
+            kept = [(s, v) for s, v in zip(steps, values) if math.isfinite(v)]
+            if kept:
+                logs[label][key] = ([s for s, _ in kept], [v for _, v in kept])
     keys = []
     for log in logs.values():
         keys += [k for k in log if k not in keys]
@@ -966,8 +985,10 @@ def plot_logs(paths, out):
     _save_figure(fig, path)
     plt.close(fig)
     print(f"wrote {path}")
-    table = last_held_out(logs)
-    if table:  # the numbers an ablation compares, beside the picture
+    table = last_held_out(raw)
+    if table:  # the numbers an ablation compares, beside the picture, and what each run changed
+        settings = run_settings({label: read_starts(p) for label, p in zip(labels, paths)})
+        table += "\n\n" + settings if settings else ""
         write_atomic(table_path, table + "\n")
         print(f"wrote {table_path}:\n{table}")
     return path
@@ -986,6 +1007,53 @@ def last_held_out(logs):
         step = max((log[k][0][-1] for k in keys if k in log), default=None)
         cells = [f"{log[k][1][-1]:.4f}" if k in log and log[k][0][-1] == step else "–" for k in keys]
         lines.append(f"| {label} | {'–' if step is None else step} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+WHERE_FLAGS = ("out_dir", "resume", "cache_dir")  # where a run reads and writes, not what it trains: not compared
+
+
+def run_settings(starts):
+    """starts: {label: read_starts(log)}. A markdown table of what each run changed against the first: the flags
+    set otherwise (its latest segment's) and the code (commit, + local changes and their code.diff's sha1, and
+    the modules whose hashes differ from the first run's), one entry per segment where a resume changed it.
+    '' with fewer than two runs that have a start record."""
+    starts = {label: records for label, records in starts.items() if records}
+    if len(starts) < 2:
+        return ""
+    first, missing = next(iter(starts)), object()
+    ref, ref_modules = starts[first][-1]["config"], starts[first][0].get("provenance", {}).get("modules") or {}
+    cell = lambda text: str(text).replace("|", "\\|")
+
+    def value(v):
+        return "(unset)" if v is missing else str(v).lower() if isinstance(v, bool) else repr(v) if v == "" else v
+
+    def code(record, label):
+        prov = record.get("provenance")
+        if not isinstance(prov, dict):
+            return "(not recorded)"
+        text = (prov.get("git_commit") or "no git")[:7]
+        if prov.get("dirty"):
+            text += f" + local changes {(prov.get('diff_sha1') or '')[:7]}".rstrip()
+        modules = prov.get("modules")
+        if isinstance(modules, dict) and label != first:
+            moved = sorted(k for k in modules.keys() | ref_modules.keys() if modules.get(k) != ref_modules.get(k))
+            if moved:
+                text += f" ({', '.join(moved) if len(moved) <= 4 else f'{len(moved)} modules'} unlike {first}'s)"
+        return text
+
+    lines = [f"| run | flags unlike {cell(first)}'s | code |", "|---|---|---|"]
+    for label, records in starts.items():
+        config = records[-1]["config"]
+        keys = list(ref) + [k for k in config if k not in ref]
+        flags = [f"--{k} {value(config.get(k, missing))}" for k in keys
+                 if k not in WHERE_FLAGS and config.get(k, missing) != ref.get(k, missing)]
+        codes = []  # (step, code) of each segment whose code differs from the one before
+        for record in records:
+            if not codes or codes[-1][1] != code(record, label):
+                codes.append((record.get("resumed_from_step"), code(record, label)))
+        code_cell = "; ".join(f"from step {step}: {text}" if step else text for step, text in codes)
+        lines.append(f"| {cell(label)} | {cell(' '.join(flags))} | {cell(code_cell)} |")
     return "\n".join(lines)
 
 

@@ -402,9 +402,10 @@ def validate_args(args):
         for path in [paths] if isinstance(paths, str) else paths or []:  # "" (an unset variable) is no path
             if not os.path.exists(path):
                 raise ValueError(f"--{flag} {path}: no such file or directory")
-    for path in args.plot_log or []:
-        if os.path.isdir(path):
-            raise ValueError(f"--plot_log {path}: a directory; pass its log file, e.g. {os.path.join(path, 'log.jsonl')}")
+    for i, path in enumerate(args.plot_log or []):  # a run directory stands for its log.jsonl
+        if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "log.jsonl")):
+            raise ValueError(f"--plot_log {path}: a directory without a log.jsonl; pass a run directory or a log file")
+        args.plot_log[i] = os.path.join(path, "log.jsonl") if os.path.isdir(path) else path
     if args.glue_dir is not None and not os.path.isdir(args.glue_dir):
         raise ValueError(f"--glue_dir {args.glue_dir}: not a directory (the folder holding CoLA/, SST-2/, ...)")
     if args.out is not None:
@@ -719,8 +720,8 @@ def build_parser():
     a.add_argument("--num_sentences", type=int, default=1000, help="held-out sentences sampled for --analysis")
     a.add_argument("--analysis_seed", dest="seed", type=int, default=0, help="draws the sentences and the "
                    "partners of --analysis (another seed measures their noise)")
-    a.add_argument("--plot_log", nargs="+", metavar="LOG", type=PATH, help="plot these log.jsonl files on shared "
-                   "axes (into --out, a directory or a .png, default .)")
+    a.add_argument("--plot_log", nargs="+", metavar="LOG", type=PATH, help="plot these log.jsonl files (or run "
+                   "directories) on shared axes (into --out, a directory or a .png, default .)")
     return p
 
 

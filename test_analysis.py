@@ -532,7 +532,7 @@ def test_plot_logs(tmp_path):
     path = A.plot_logs([a, b], str(tmp_path / "plots"))
     assert path == str(tmp_path / "plots" / "training_curves.png") and os.path.getsize(path) > 0
     # and the held-out numbers an ablation compares, each run's at its last evaluation (a table beside the plot)
-    rows = (tmp_path / "plots" / "training_curves.md").read_text().splitlines()
+    rows = (tmp_path / "plots" / "training_curves.md").read_text().split("\n\n")[0].splitlines()  # then the flags
     assert rows[0] == "| run | step | val_mlm_loss | val_mlm_acc | contextual_score | wordsim_cooc_sim |"
     assert rows[2:] == ["| mlm | 100 | 2.3333 | 0.5000 | 0.2000 | 0.2000 |", "| taco | 100 | 2.3333 | 0.5000 | 0.2000 | 0.2000 |"]
     assert A.plot_logs([a], str(tmp_path / "plots")) == path  # its own table is rewritten ...
@@ -549,13 +549,62 @@ def test_plot_logs(tmp_path):
         A.read_log(str(tmp_path / "binary.jsonl"))
 
 
+
+def start_record(commit="f609645abc", modules=None, diff_sha1=None, resumed_from_step=None, **config):
+    record = {"config": {"objective": "taco", "lr": 1e-3, "taco_stop_grad": True, "out_dir": "o", **config},
+              "provenance": {"git_commit": commit, "dirty": bool(diff_sha1), "diff_sha1": diff_sha1,
+                             "modules": {"losses.py": "aaa", "train.py": "bbb", **(modules or {})}}}
+    return {**record, "resumed_from_step": resumed_from_step} if resumed_from_step else record
+
+
+def test_compared_runs_say_which_flags_and_code_each_ran_with(tmp_path):
+    # an ablation compares runs that differ in a flag or in losses.py: the table beside the curves said neither, so
+    # a run with --taco_stop_grad false and one with the detach deleted from losses.py read as two unnamed rows
+    runs = {"base": [start_record(out_dir="out/base")],
+            "flag": [start_record(taco_stop_grad=False, out_dir="out/flag")],
+            "edit": [start_record(modules={"losses.py": "ccc"}, diff_sha1="90a97dd1234", out_dir="out/edit")],
+            "mlm": [start_record(objective="mlm", out_dir="out/mlm", new_flag="")],
+            "resumed": [start_record(max_steps=300),
+                        start_record(max_steps=400, modules={"losses.py": "ddd"}, diff_sha1="b838e8c", resume="r",
+                                     resumed_from_step=300)]}
+    for label, records in runs.items():  # a log written by train.py: its start records, then the steps
+        path = write_log(tmp_path / label / "log.jsonl", 0)
+        lines = open(path).read().splitlines()
+        with open(path, "w") as f:
+            f.write("\n".join([json.dumps(r) for r in records] + lines[1:]))
+        assert A.read_starts(path) == records
+    A.plot_logs([str(tmp_path / label / "log.jsonl") for label in runs], str(tmp_path / "plots"))
+    table = (tmp_path / "plots" / "training_curves.md").read_text().split("\n\n")
+    assert table[0].startswith("| run | step | val_mlm_loss |")  # the held-out numbers come first, as before
+    assert table[1].splitlines() == [
+        "| run | flags unlike base's | code |", "|---|---|---|",
+        "| base |  | f609645 |",
+        "| flag | --taco_stop_grad false | f609645 |",
+        "| edit |  | f609645 + local changes 90a97dd (losses.py unlike base's) |",
+        "| mlm | --objective mlm --new_flag '' | f609645 |",
+        "| resumed | --max_steps 400 | f609645; from step 300: f609645 + local changes b838e8c (losses.py unlike base's) |"]
+    assert A.run_settings({"a": [start_record()]}) == "" and A.run_settings({"a": [], "b": [start_record()]}) == ""
+
+
+def test_a_non_finite_held_out_value_is_shown_not_taken_for_missing(tmp_path):
+    # a diverged TACO edit logged val_tc_loss Infinity at step 0: the table showed "–", which means "not logged"
+    path = tmp_path / "run" / "log.jsonl"
+    path.parent.mkdir()
+    path.write_text(json.dumps({"step": 0, "val_mlm_loss": 9.05, "val_tc_loss": float("inf"),
+                                "val_pos_cos": float("nan")}) + "\n" + json.dumps({"step": 10, "loss": 3.0}) + "\n")
+    assert set(A.read_log(str(path))) == {"val_mlm_loss", "loss"}  # the curves leave them out
+    A.plot_logs([str(path)], str(tmp_path / "plots"))
+    rows = (tmp_path / "plots" / "training_curves.md").read_text().splitlines()
+    assert rows[0] == "| run | step | val_mlm_loss | val_tc_loss | val_pos_cos |"
+    assert rows[2] == "| run | 0 | 9.0500 | inf | nan |"
+
 def test_runs_sharing_a_directory_keep_their_own_labels(tmp_path):
     # found by a fuzz of eval.py's flags: two logs in one folder (or a run dir and its ckpt.pt) got one label, and the
     # legend, the table and analysis.json kept one of the two runs without a word
     a = write_log(tmp_path / "logs" / "mlm.jsonl", 0)
     b = write_log(tmp_path / "logs" / "taco.jsonl", 1)
     A.plot_logs([a, b], str(tmp_path / "plots"))
-    rows = (tmp_path / "plots" / "training_curves.md").read_text().splitlines()[2:]
+    rows = (tmp_path / "plots" / "training_curves.md").read_text().split("\n\n")[0].splitlines()[2:]
     assert [row.split(" | ")[0] for row in rows] == [f"| {a}", f"| {b}"]
     run = tmp_path / "out" / "mlm"
     run.mkdir(parents=True)

@@ -653,6 +653,17 @@ def test_a_tilde_in_a_path_flag_is_home_as_in_train_py(tmp_path, tiny_model_dir,
     assert args.text == str(tmp_path / "t.txt")
 
 
+
+def test_plot_log_takes_run_directories(tmp_path, monkeypatch):
+    # --analysis --model takes run directories; --plot_log refused them ("a directory; pass its log file")
+    seen = []
+    monkeypatch.setattr(ev.analysis, "plot_logs", lambda logs, out: seen.append(logs))
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "log.jsonl").write_text('{"step": 0, "val_mlm_loss": 9.0}\n')
+    ev.main(["--plot_log", str(tmp_path / "a"), str(tmp_path / "b" / "log.jsonl")])
+    assert seen == [[str(tmp_path / "a" / "log.jsonl"), str(tmp_path / "b" / "log.jsonl")]]
+
 def test_plot_log_with_a_model_also_runs_glue(tmp_path, tiny_model_dir, monkeypatch):
     seen = []
     monkeypatch.setattr(ev.analysis, "plot_logs", lambda logs, out: seen.append("plot"))
