@@ -29,8 +29,9 @@ class DivergenceWatch:
     """Notes on the device, without a host sync, the first step whose loss or gradient norm was not finite;
     check() reads it (collectively, under DDP) and raises Diverged."""
 
-    def __init__(self, layout, cfg, scaler, params):
+    def __init__(self, layout, cfg, scaler, params, local_changes=None):
         self.layout, self.cfg, self.scaler, self.params = layout, cfg, scaler, params
+        self.local_changes = local_changes  # the code.diff of a run on edited code: the message names it
         self.first_bad = torch.full((), NOT_YET, dtype=torch.long, device=layout.device)
 
     def record(self, bad, step):
@@ -54,7 +55,10 @@ class DivergenceWatch:
             raise Diverged(f"non-finite loss or gradient norm at step {bad} (step {step}: {terms}); stopped "
                            f"without saving: {kept}. Try a lower learning rate: "
                            + (f"python train.py --resume {cfg.out_dir} --lr {cfg.lr / 2:.3g}" if saved_step else
-                              f"--lr {cfg.lr / 2:.3g}") + scale_flags_hint(cfg))
+                              f"--lr {cfg.lr / 2:.3g}") + (
+                               f"; or check the code's local changes ({self.local_changes}: python -m pytest -q "
+                               f"test_losses.py compares losses.py with its references)" if self.local_changes else "")
+                           + scale_flags_hint(cfg))
 
 
 SCALE_FLAGS = ("taco_temperature", "tacl_temperature", "cocolm_scl_temperature", "taco_weight", "cocolm_copy_weight",

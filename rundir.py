@@ -492,6 +492,7 @@ class Run:
         same_on_every_rank(cfg, layout, fingerprint)
         self.cfg, self.layout, self.ckpt, self.fingerprint = cfg, layout, ckpt, fingerprint
         self.saved_step, self.log_file, self.diff_name, self.code_changed = 0, None, "code.diff", []
+        self.local_changes = None  # rank 0: the path of this segment's code diff, where the code had local changes
 
     def attach(self, model, model_config, objective, optimizer, train_loader, scaler):
         self.model, self.model_config, self.objective = model, model_config, objective
@@ -541,6 +542,7 @@ class Run:
         self.diff_name = f"code-step{step}.diff" if ckpt else "code.diff"
         start = {"config": asdict(cfg), "provenance": provenance(cfg.out_dir, self.diff_name)}
         old, new = last_start_config(cfg.out_dir, "provenance"), start["provenance"]
+        self.local_changes = os.path.join(cfg.out_dir, self.diff_name) if new["dirty"] else None
         before, now = old.get("modules"), new["modules"]
         if ckpt and isinstance(before, dict):  # an edit between two segments: one run, two codes (said on resume)
             self.code_changed = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))

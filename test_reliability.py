@@ -314,6 +314,23 @@ def test_a_divergence_names_the_loss_scaling_flags_that_moved(corpus, cache, tmp
     assert monitor.scale_flags_hint(cfg) == "; or undo --weight_decay 1e+30 (off the preset's value)"
 
 
+
+def test_a_divergence_on_edited_code_names_its_diff(corpus, cache, tmp_path, capsys, monkeypatch):
+    # an ablation that edits losses.py (a naive logsumexp) diverged with "Try a lower learning rate" alone, though
+    # the run's code.diff held the likelier cause; a clean checkout's message is unchanged
+    monkeypatch.setitem(losses.LOSSES, "mlm", NaNAfter)
+    real = rundir.provenance
+    for dirty in (True, False):
+        monkeypatch.setattr(NaNAfter, "calls", 0)
+        monkeypatch.setattr(rundir, "provenance", lambda out_dir=None, diff_name="code.diff": {
+            **real(), "dirty": dirty, "diff_sha1": "abc" if dirty else None})
+        out_dir = tmp_path / f"run{dirty}"
+        code, _, err = run_main(flags(corpus, cache, out_dir, max_steps=10), capsys)
+        assert code == 1
+        line = one_error(err, "non-finite loss", "lower learning rate")
+        hint = f"or check the code's local changes ({out_dir / 'code.diff'}: python -m pytest -q test_losses.py"
+        assert (hint in line) == dirty, line
+
 def test_a_divergence_of_an_added_objective_names_every_flag_that_moved():
     import monitor  # a copy of TACO registered as taco2 reads taco_*: which flags it reads is unknown, so all
     cfg = config.TrainConfig(objective="taco2", taco_temperature=1e-30, cocolm_copy_weight=1e30)
