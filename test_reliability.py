@@ -314,7 +314,6 @@ def test_a_divergence_names_the_loss_scaling_flags_that_moved(corpus, cache, tmp
     assert monitor.scale_flags_hint(cfg) == "; or undo --weight_decay 1e+30 (off the preset's value)"
 
 
-
 def test_a_divergence_on_edited_code_names_its_diff(corpus, cache, tmp_path, capsys, monkeypatch):
     # an ablation that edits losses.py (a naive logsumexp) diverged with "Try a lower learning rate" alone, though
     # the run's code.diff held the likelier cause; a clean checkout's message is unchanged
@@ -330,6 +329,7 @@ def test_a_divergence_on_edited_code_names_its_diff(corpus, cache, tmp_path, cap
         line = one_error(err, "non-finite loss", "lower learning rate")
         hint = f"or check the code's local changes ({out_dir / 'code.diff'}: python -m pytest -q test_losses.py"
         assert (hint in line) == dirty, line
+
 
 def test_a_divergence_of_an_added_objective_names_every_flag_that_moved():
     import monitor  # a copy of TACO registered as taco2 reads taco_*: which flags it reads is unknown, so all
