@@ -11,7 +11,7 @@ deviation from an official implementation is a comment here and a numbered "fide
 - Every random draw uses the torch.Generator `rng`: seeding it makes a step reproducible, and a test can replay
   the draws by calling the same sampling helpers with the same seed.
 - Fixed shapes and no host syncs: masking selects exactly round(p * eligible) positions per row into
-  K = ceil(p * T) slots (unused slots have label -100), so a compiled model never sees a new shape and metrics
+  M = ceil(p * T) slots (unused slots have label -100), so a compiled model never sees a new shape and metrics
   stay on the device until train.py logs them.
 - train.py's packed blocks carry no attention_mask: the padding paths serve padded inputs (the tests, your data).
 """
@@ -67,10 +67,10 @@ def mask_tokens(input_ids, config, rng, mask_prob=0.15, mask_frac=0.8, random_fr
 
     Eligible = not a special token ([CLS], [SEP], [PAD], [MASK], [UNK]) and not padding. Each row gets exactly
     round(mask_prob * its eligible count) positions, uniformly at random (the top-k of random scores, ineligible
-    positions scored below all), written into K = ceil(mask_prob * T) slots; slots beyond a row's count are
+    positions scored below all), written into M = ceil(mask_prob * T) slots; slots beyond a row's count are
     unused and labelled -100. Of the selected: mask_frac -> [MASK], random_frac -> a random real token, the rest
-    unchanged (BERT 80/10/10; ELECTRA 85/0/15). The MLM head then runs on the K gathered slots only.
-    Returns corrupted ids (B, T), positions (B, K) long, labels (B, K) long (-100 = unused)."""
+    unchanged (BERT 80/10/10; ELECTRA 85/0/15). The MLM head then runs on the M gathered slots only.
+    Returns corrupted ids (B, T), positions (B, M) long, labels (B, M) long (-100 = unused)."""
     B, T = input_ids.shape
     device = input_ids.device
     eligible = eligible_positions(input_ids, config, attention_mask)
@@ -79,9 +79,9 @@ def mask_tokens(input_ids, config, rng, mask_prob=0.15, mask_frac=0.8, random_fr
     # choose positions: top-k of uniform scores, ineligible ones pushed below every eligible one
     # (HF's collator, used by TACO, draws Bernoulli(p) per token instead: same mean, varying count; note 6)
     scores = torch.rand(B, T, generator=rng, device=device).masked_fill(~eligible, -1.0)
-    positions = scores.topk(num_slots, dim=1).indices  # (B, K), distinct within a row
-    used = torch.arange(num_slots, device=device) < num_masked[:, None]  # (B, K)
-    original = input_ids.gather(1, positions)  # (B, K)
+    positions = scores.topk(num_slots, dim=1).indices  # (B, M), distinct within a row
+    used = torch.arange(num_slots, device=device) < num_masked[:, None]  # (B, M)
+    original = input_ids.gather(1, positions)  # (B, M)
     # one uniform per slot splits the selected into [MASK] / random / unchanged
     split = torch.rand(B, num_slots, generator=rng, device=device)
     random_tokens = random_real_tokens((B, num_slots), config, rng, device)
@@ -92,7 +92,7 @@ def mask_tokens(input_ids, config, rng, mask_prob=0.15, mask_frac=0.8, random_fr
 
 
 def gather_positions(h, positions):
-    """h (B, T, D), positions (B, K) -> (B*K, D)."""
+    """h (B, T, D), positions (B, M) -> (B*M, D)."""
     return h.gather(1, positions[..., None].expand(-1, -1, h.size(-1))).flatten(0, 1)
 
 
@@ -118,7 +118,7 @@ def mlm_loss(model, h, input_ids, positions, labels, attention_mask=None, predic
     """L_MLM: cross-entropy of the BERT head on the selected slots only.
     predict_all adds TACO's "MLM+TP" ablation (§5.2): the original token at every unmasked,
     non-special position, as a second mean CE term tp_loss (full-width head, so it costs more)."""
-    logits = model.mlm_logits(gather_positions(h, positions))  # (B*K, V)
+    logits = model.mlm_logits(gather_positions(h, positions))  # (B*M, V)
     loss = cross_entropy(logits, labels.flatten())
     metrics = dict(mlm_loss=loss.detach(), mlm_acc=accuracy(logits.detach(), labels.flatten()))
     if predict_all:
@@ -161,7 +161,7 @@ def pool_size(negative_pool, batch_size, minimum=1):
 
 class MLM(nn.Module):
     """Masked language modelling (Devlin et al., 2019; RoBERTa's dynamic masking, no NSP: fidelity note 5):
-    L_MLM = mean over the selected 15% of CE(model.head(h_i), x_i), head = transform + tied decoder. No detach."""
+    L_MLM = mean over the selected 15% of CE(E head(h_i) + b, x_i): model.mlm_logits, E tied. No detach."""
 
     def __init__(self, model, cfg):
         super().__init__()
@@ -221,12 +221,12 @@ def taco_samples(valid, window, num_negatives, rng, pool=0):
 class TACO(nn.Module):
     """Token-alignment contrastive objective (Fu et al., ACL 2022, Eq. 3, 6-11), on top of MLM.
 
-    g = h - emb(x~) (out of place) is each token's global part. Anchors: every non-pad position (taco_anchors
-    "all", the official default) or the masked ones ("masked", concentrated TACO). One positive per anchor
-    from a +-W//2 window of its own row, K negatives from the other rows of its pool (taco_samples;
-    negative_pool consecutive rows, 0 = the micro-batch as the official code). s = cos / tau; positives and
-    negatives are detached (taco_stop_grad), so the gradient reaches h and the embeddings through the anchor.
-    L_TC = mean over anchors of -log(e^{s+} / (e^{s+} + sum_k e^{s-_k})); L = L_MLM + lambda * L_TC."""
+    g = h - emb(x~) (out of place) is each token's global part. Anchors: every non-pad position (taco_anchors "all",
+    the official default) or the masked ones ("masked", concentrated TACO). One positive per anchor from a +-W//2
+    window of its own row, K negatives from the other rows of its pool (taco_samples; negative_pool consecutive rows,
+    0 = the micro-batch as the official code). s = cos / tau; positives and negatives are detached (taco_stop_grad,
+    as the official code; the paper's Eq. 6-10 have no stop-gradient): the gradient reaches h and the embeddings
+    via the anchor. L_TC = mean over anchors of -log(e^{s+} / (e^{s+} + sum_k e^{s-_k})); L = L_MLM + lambda L_TC."""
     uses_negative_pool = True  # config.py gives each process whole pools and checks their size
 
     def __init__(self, model, cfg):
@@ -249,8 +249,8 @@ class TACO(nn.Module):
         B = x.size(0)
         pool = pool_size(self.negative_pool, B, minimum=2)
         valid = non_pad(x, attention_mask)
-        # MLM on the corrupted input, keeping the embedding layer's output for g: the paper's "static embedding"
-        # e is that whole output (word + position + type, LayerNorm, dropout), as in the official code
+        # MLM on the corrupted input, keeping the embedding layer's output for g: the paper's "static embedding" e
+        # is read as that whole output of x~ (word + position + type, LayerNorm, dropout), as the official code does
         corrupted, positions, labels = mask_tokens(x, model.config, rng, self.mask_prob, attention_mask=attention_mask)
         h, emb = model(corrupted, attention_mask=attention_mask, return_embeddings=True)
         loss, metrics = mlm_loss(model, h, x, positions, labels, attention_mask, self.predict_all)
@@ -321,9 +321,9 @@ class TaCL(nn.Module):
             teacher_hidden = self.teacher(x, attention_mask=attention_mask)
         with torch.autocast(x.device.type, enabled=False):  # fp32 (TF32 on CUDA): 1/tau = 100 magnifies bf16 rounding
             # every masked student position against every teacher position of its row
-            student = F.normalize(upcast(gather_positions(h, positions)), dim=-1).view(B, -1, h.size(-1))  # (B, K, D)
+            student = F.normalize(upcast(gather_positions(h, positions)), dim=-1).view(B, -1, h.size(-1))  # (B, M, D)
             teacher = F.normalize(upcast(teacher_hidden), dim=-1).to(student.dtype)  # (B, T, D)
-            scores = torch.einsum("bkd,btd->bkt", student, teacher) / self.temperature  # (B, K, T)
+            scores = torch.einsum("bmd,btd->bmt", student, teacher) / self.temperature  # (B, M, T)
             # padding columns leave the softmax (official code keeps them; packed batches have none; fidelity note 14)
             scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
             # the positive is the teacher's own position i
@@ -383,7 +383,7 @@ class Generator(nn.Module):
 
     def logits(self, model, input_ids, attention_mask, positions):
         h = self.encoder(self.project(model.embeddings(input_ids)), attention_mask)
-        return self.head(gather_positions(h, positions), model.embeddings.word.weight)  # (B*K, V)
+        return self.head(gather_positions(h, positions), model.embeddings.word.weight)  # (B*M, V)
 
     def forward(self, model, input_ids, attention_mask, rng):
         """Mask x, train the generator by MLM on it, and put its samples at the masked positions.
@@ -402,7 +402,7 @@ class Generator(nn.Module):
                 sample_logits = self.logits(model, corrupted, attention_mask, positions)
             self.train()
             model.embeddings.train(embeddings_training)
-        sampled = sample_tokens(sample_logits, rng).view_as(positions)  # (B, K)
+        sampled = sample_tokens(sample_logits, rng).view_as(positions)  # (B, M)
         original, used = input_ids.gather(1, positions), labels != -100
         x_mlm = input_ids.scatter(1, positions, torch.where(used, sampled, original))
         metrics = dict(gen_loss=gen_loss.detach(), gen_acc=accuracy(logits.detach(), labels.flatten()),
@@ -502,7 +502,7 @@ class COCOLM(nn.Module):
         # corrective LM loss on M: tied embeddings + bias, no transform
         lm_logits = F.linear(gather_positions(h, positions), model.embeddings.word.weight[:model.config.vocab_size],
                              self.lm_bias)
-        at_masked = lambda t: t.gather(1, positions).flatten()  # (B, T) -> (B*K,): the masked slots
+        at_masked = lambda t: t.gather(1, positions).flatten()  # (B, T) -> (B*M,): the masked slots
         lm_loss = masked_mean(corrective_lm_loss(lm_logits, labels.flatten(), at_masked(copy_logit),
                                                  at_masked(is_original)),
                               (labels != -100).flatten())

@@ -248,7 +248,7 @@ def test_electra_shape_generator_costs_less_on_small():
                                                  ("cocolm", "cocolm"), ("cocolm", "electra")])
 def test_flops_match_torch_flop_counter_on_a_real_step(objective, gen_shape, dropout):
     # torch's own count of every matmul in one real forward + backward on the tiny model. T = 120
-    # makes the K = ceil(0.15 T) masked slots exactly 0.15 T; SDPA's math backend because the
+    # makes the M = ceil(0.15 T) masked slots exactly 0.15 T; SDPA's math backend because the
     # counter misses CPU's fused flash kernel. COCO-LM's sampling pass is ~10% of its count here:
     # counting it for ELECTRA, or missing it for COCO-LM with dropout, fails by far.
     T, B = 120, 2
@@ -391,7 +391,7 @@ def test_both_sides_attend_through_sdpa_unmasked_with_the_same_dropout_in_train_
 
 
 def test_both_sides_predict_the_same_share_of_tokens_ours_with_the_head_on_those_only(monkeypatch):
-    # batch 8 x 128 on both sides; ours: exactly round(0.15 x 126) targets a row in K = ceil(0.15 x 128) head
+    # batch 8 x 128 on both sides; ours: exactly round(0.15 x 126) targets a row in M = ceil(0.15 x 128) head
     # slots; Hugging Face: a Bernoulli(0.15) draw (its collator's), full-vocabulary logits at every position
     # (the stated difference: where our speed-up comes from), hf-masked: its head on its selected positions only
     ce = {name: record_one_step(name, monkeypatch)[0]["ce"] for name in COMPARED}

@@ -12,7 +12,7 @@ with the chosen preset's values and where each comes from.
 # train() below reads top to bottom: config -> data -> model -> objective -> optimizer -> steps (lr,
 # micro-steps with their seeded draws, clip, step; then log / eval / save at their intervals). What makes
 # a run safe to kill and resume lives beside it: rundir.py (lock, checkpoints, resume), distributed.py
-# (device, torchrun, signals), monitor.py (divergence watch, FLOPs, console).
+# (device, torchrun, signals), monitor.py (divergence watch, FLOPs, log lines), console.py (the console).
 import sys
 import time
 
