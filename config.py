@@ -58,7 +58,7 @@ class TrainConfig:
     taco_temperature: float = 0.07  # tau (TACO App. A)
     taco_weight: float = 1.0  # lambda in L_MLM + lambda * L_TC (TACO Eq. 11 adds the two unweighted: 1)
     taco_anchors: str = "all"  # all non-pad positions (official default) | masked ("concentrated TACO", §5.2)
-    taco_stop_grad: bool = True  # detach positives/negatives (official code; the paper writes no stop-gradient); False = our ablation
+    taco_stop_grad: bool = True  # detach positives/negatives (official code); False = the paper's Eq. 6-10 as written (note 41)
     negative_pool: int = 0  # sequences sharing one pool of negatives (TACO rows, COCO-LM NT-Xent); 0 = the per-process micro-batch (fidelity note 4)
     tacl_temperature: float = 0.01  # tau (TaCL §3, official scripts)
     gen_shape: str = "cocolm"  # generator: cocolm = same width, max(1, round(L/3)) layers (COCO-LM §4) | electra = full depth, 1/4 width (1/3 for base) (ELECTRA Table 6)

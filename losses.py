@@ -225,8 +225,8 @@ class TACO(nn.Module):
     the official default) or the masked ones ("masked", concentrated TACO). One positive per anchor from a +-W//2
     window of its own row, K negatives from the other rows of its pool (taco_samples; negative_pool consecutive rows,
     0 = the micro-batch as the official code). s = cos / tau; positives and negatives are detached (taco_stop_grad,
-    as the official code; the paper's Eq. 6-10 have no stop-gradient): the gradient reaches h and the embeddings
-    via the anchor. L_TC = mean over anchors of -log(e^{s+} / (e^{s+} + sum_k e^{s-_k})); L = L_MLM + lambda L_TC."""
+    as the official code; Eq. 6-10 have none: fidelity note 41): the gradient reaches h and the embeddings via the
+    anchor. L_TC = mean over anchors of -log(e^{s+} / (e^{s+} + sum_k e^{s-_k})); L = L_MLM + lambda L_TC."""
     uses_negative_pool = True  # config.py gives each process whole pools and checks their size
 
     def __init__(self, model, cfg):
@@ -250,7 +250,7 @@ class TACO(nn.Module):
         pool = pool_size(self.negative_pool, B, minimum=2)
         valid = non_pad(x, attention_mask)
         # MLM on the corrupted input, keeping the embedding layer's output for g: the paper's "static embedding" e
-        # is read as that whole output of x~ (word + position + type, LayerNorm, dropout), as the official code does
+        # is that whole output of x~ (word + position + type, LayerNorm, dropout), as the official code has it (note 42)
         corrupted, positions, labels = mask_tokens(x, model.config, rng, self.mask_prob, attention_mask=attention_mask)
         h, emb = model(corrupted, attention_mask=attention_mask, return_embeddings=True)
         loss, metrics = mlm_loss(model, h, x, positions, labels, attention_mask, self.predict_all)
