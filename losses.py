@@ -8,8 +8,8 @@ deviation from an official implementation is a comment here and a numbered "fide
 - model is the Bert (or torch.compile(model): attributes pass through); an objective calls model(...) and
   model.mlm_logits(...) but never stores it, so the encoder's weights stay out of objective.state_dict(). What an
   objective owns (generator, heads, TaCL's teacher) is a submodule, in objective.parameters() and state_dict().
-- Every random draw uses the torch.Generator `rng`: seeding it makes a step reproducible, and a test can replay
-  the draws by calling the same sampling helpers with the same seed.
+- Every draw (masks, negatives, samples; dropout is torch's own) uses the torch.Generator `rng`: seeding it makes
+  them reproducible, and a test can replay them by calling the same sampling helpers with the same seed.
 - Fixed shapes and no host syncs: masking selects exactly round(p * eligible) positions per row into
   M = ceil(p * T) slots (unused slots have label -100), so a compiled model never sees a new shape and metrics
   stay on the device until train.py logs them.
