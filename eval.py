@@ -587,6 +587,8 @@ def run_glue(args, log=print):
             raise ValueError(f"--save_model: {os.path.join(out, 'models', task.dir)} {problem}; pass another --out")
     log(f"{args.model}: {base.num_params() / 1e6:.1f}M parameters, {size}-model recipe ({protocol}), seeds {seeds}, "
         f"{device}" + (f"; flags override {overrides}" if overrides else ""))
+    if overrides.get("precision") == "bf16" and device.type != "cuda":  # the line above named it: say what runs
+        log(f"note: --precision bf16 is CUDA-only here: on {device} every run fine-tunes in fp32, as glue.json records")
     if still_training(args.model):
         log(f"note: {model_dir} is still training (a train.py holds its .lock): this scores its step "
             f"{base.training_step} export, and glue.json records that step")

@@ -921,6 +921,7 @@ def test_a_grid_smaller_than_num_combos_runs_whole_and_a_cpu_runs_fp32_and_a_liv
                  "--out", str(out)])
     printed = capsys.readouterr().out
     assert "is still training" in printed and "step 5 export" in printed, printed
+    assert "--precision bf16 is CUDA-only here: on cpu every run fine-tunes in fp32" in printed, printed
     saved = json.loads((out / "glue.json").read_text())
     assert [len(saved["tasks"][t]["runs"]) for t in ("cola", "mrpc")] == [3, 2]  # mrpc's grid holds 2
     assert saved["runs_per_task"] == 3 and "(fewer on tasks whose grid is smaller)" in saved["runs_label"]
