@@ -658,7 +658,10 @@ def run_glue(args, log=print):
                 write_report([t.name for t in tasks[i + 1:] if t.name not in missing])
         except KeyboardInterrupt:  # main() prints it as one line
             done = [name for name, r in results.items() if r["status"] == "ok"]
-            raise KeyboardInterrupt(f"glue.json and glue.md in {out} hold {', '.join(done)}" if done else
+            # the same command again redoes every task: the rest alone, into the same --out, joins this table
+            rest = [t.name for t in tasks if t.name not in missing and t.name not in results]
+            raise KeyboardInterrupt(f"glue.json and glue.md in {out} hold {', '.join(done)}; to finish, run the same "
+                                    f"command with --tasks {','.join(rest)} (it adds them to this table)" if done else
                                     "no task was finished, nothing was written") from None
         report, table = write_report()
         written = [f"{stem}.tsv" for stem, p in predictions.items() if isinstance(p, dict)]

@@ -981,10 +981,18 @@ def test_a_stopped_run_keeps_the_tasks_it_finished(tmp_path, tiny_model_dir, mon
                  "--tasks", "cola,stsb,mrpc", "--out", str(out)])
     assert exit_info.value.code == 130
     err = capsys.readouterr().err.strip()
-    assert err == f"interrupted: glue.json and glue.md in {out} hold cola"
+    # the same command again would redo cola (hours on a full task): the line names the rest to run
+    assert err == (f"interrupted: glue.json and glue.md in {out} hold cola; to finish, run the same command with "
+                   "--tasks stsb,mrpc (it adds them to this table)")
     saved = json.loads((out / "glue.json").read_text())
     assert saved["tasks"]["cola"]["mean"] == {"mcc": 42.0} and saved["not_run"] == ["stsb", "mrpc"]
     assert "Not run: stsb, mrpc" in (out / "glue.md").read_text()
+    monkeypatch.setattr(ev, "finetune", lambda base, task, *args: (
+        torch.nn.Linear(1, 1), [dict(scores=dict(spearman=40.0, pearson=40.0, f1=30.0, acc=30.0), collapsed=False)]))
+    ev.main(["--model", str(tiny_model_dir), "--glue_dir", str(tmp_path / "glue"), "--tasks", "stsb,mrpc",
+             "--out", str(out)])  # as the line says: one table of all three
+    saved = json.loads((out / "glue.json").read_text())
+    assert set(saved["tasks"]) == {"cola", "stsb", "mrpc"} and saved["not_run"] == []
 
 
 def test_a_full_disk_is_one_error_line_and_keeps_the_earlier_glue_json(tmp_path, tiny_model_dir, monkeypatch, capsys):
