@@ -530,7 +530,14 @@ def earlier_results(out, settings, tasks, log):
     moves = lambda k: ([("glue.md", f"glue.{k}.md")] + [(f"{stem}.tsv", f"{stem}.{k}.tsv") for stem in SUBMISSIONS]
                        + [("models", f"models.{k}"), ("glue.json", f"glue.{k}.json")])
     k = move_aside(out, moves)
-    why = "was made from another export or with other settings" if isinstance(old, dict) else "is unreadable or damaged"
+    why = "is unreadable or damaged"
+    if isinstance(old, dict):  # say what differs: a changed cap or seed list, or another model, is then plain
+        before = old.get("settings") if isinstance(old.get("settings"), dict) else {}
+        differ = [key for key in settings if before.get(key) != settings[key]] if isinstance(settings, dict) else []
+        names = dict(fixed="hyper-parameter flags", data="data", training_step="training step", protocol="protocol")
+        named = [names.get(key, f"--{key}") for key in differ if key != "model"]
+        parts = ["from another export"] * ("model" in differ) + [f"with other {', '.join(named)}"] * bool(named)
+        why = "was made " + (" and ".join(parts) or "with other settings")
     log(f"note: {path} {why}: moved to glue.{k}.json (with its leaderboard files and models, if any)")
     return {}, {}
 

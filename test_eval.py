@@ -1065,7 +1065,8 @@ def test_a_second_call_extends_glue_json_or_moves_it_aside(tmp_path, tiny_model_
     ev.main(common + ["--tasks", "stsb", "--seeds", "2"])  # other seeds: the earlier files are moved, not lost
     assert set(json.loads((out / "glue.json").read_text())["tasks"]) == {"stsb"}
     assert set(json.loads((out / "glue.2.json").read_text())["tasks"]) == {"cola", "stsb"}
-    assert (out / "glue.2.md").is_file() and "moved to glue.2.json" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert (out / "glue.2.md").is_file() and "glue.json was made with other --seeds: moved to glue.2.json" in printed
     assert (out / "CoLA.2.tsv").read_text() == "index\tprediction\n" and (out / "models.2" / "CoLA").is_dir()
     assert not (out / "CoLA.tsv").exists() and not (out / "models").exists() and (out / "models.1" / "kept").is_dir()
     # another model at the same step, same settings: another export, so moved aside as well
@@ -1074,6 +1075,10 @@ def test_a_second_call_extends_glue_json_or_moves_it_aside(tmp_path, tiny_model_
     ev.main(["--model", str(other), "--glue_dir", glue, "--out", str(out), "--tasks", "cola", "--seeds", "2"])
     assert set(json.loads((out / "glue.json").read_text())["tasks"]) == {"cola"}
     assert set(json.loads((out / "glue.3.json").read_text())["tasks"]) == {"stsb"}
+    assert "glue.json was made from another export: moved to glue.3.json" in capsys.readouterr().out
+    ev.main(["--model", str(other), "--glue_dir", glue, "--out", str(out), "--tasks", "cola", "--seeds", "2",
+             "--max_train_samples", "20", "--lr", "1e-3"])
+    assert "glue.json was made with other hyper-parameter flags, --max_train_samples: moved to glue.4.json" in capsys.readouterr().out
 
 
 def test_a_task_missing_from_glue_dir_keeps_its_earlier_scores(tmp_path, tiny_model_dir, monkeypatch, capsys):
