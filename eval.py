@@ -297,6 +297,9 @@ def predict(model, enc, pad_id, device, batch_size=128, bf16=False):
     return out
 
 
+PROGRESS_S = 60  # a progress line within an epoch after this many seconds without one
+
+
 def finetune(base, task, data, hp, seed, device, pad_id, total, warmup, group_by_length=False, log=print):
     """Fine-tune a copy of `base` on data["train"] (Encoded) for hp's epochs: `total` steps, the first
     `warmup` (< total, schedule_steps) a linear warm-up, then linear decay to 0 (Table 6). Returns the
@@ -318,7 +321,12 @@ def finetune(base, task, data, hp, seed, device, pad_id, total, warmup, group_by
         losses = []
         batches = (length_grouped_batches(train.lengths, hp["batch_size"], rng) if group_by_length
                    else random_batches(len(train.lengths), hp["batch_size"], rng))
-        for idx in batches:
+        last_note = time.time()
+        for i, idx in enumerate(batches):
+            if losses and time.time() - last_note > PROGRESS_S:  # a long epoch (MNLI, QQP on a CPU) shows it is alive
+                log(f"  epoch {epoch + 1}/{hp['epochs']}: step {i}/{len(batches)}, train loss "
+                    f"{torch.stack(losses[-100:]).mean().item():.4f} (last 100 steps)")
+                last_note = time.time()
             b = collate(train, idx, pad_id, device)
             logits = forward(model, b, bf16)
             loss = (F.mse_loss(logits.squeeze(-1), b["labels"]) if task.labels is None

@@ -1349,6 +1349,20 @@ def test_regression_trains_on_mean_squared_error(tiny_model_dir):
     assert history[0]["train_loss"] == pytest.approx(np.mean((preds - enc.labels) ** 2), rel=1e-4)
 
 
+def test_a_long_epoch_says_it_is_alive(tiny_model_dir, monkeypatch):
+    # an MNLI epoch on a CPU is most of an hour: only the epoch's end printed a line
+    enc = tiny_regression_data()
+    hp = dict(lr=0.0, batch_size=2, epochs=1, dropout=0.0, weight_decay=0.0, precision="fp32")
+    monkeypatch.setattr(ev, "PROGRESS_S", -1)  # every step is past due
+    lines = []
+    ev.finetune(Bert.from_pretrained(str(tiny_model_dir), mlm_head=False), glue_tasks.TASKS["stsb"],
+                dict(train=enc, dev={"": enc}), hp, 1, torch.device("cpu"), 0, total=5, warmup=1, log=lines.append)
+    steps = math.ceil(len(enc.lengths) / 2)
+    progress = [line for line in lines if line.startswith("  epoch 1/1: step ")]
+    assert [line.split(",")[0] for line in progress] == [f"  epoch 1/1: step {i}/{steps}" for i in range(1, steps)]
+    assert all(line.endswith("(last 100 steps)") for line in progress) and lines[-1].startswith("epoch 1/1: train loss")
+
+
 def test_a_diverged_run_leaves_strict_json(tmp_path, tiny_model_dir):
     # found by a fuzz of eval.py's flags: --lr 1e9 drives the train loss to NaN, and glue.json held a bare NaN,
     # which strict JSON readers (jq, a browser) refuse; a non-finite number is written as null
