@@ -125,7 +125,8 @@ def glue_table(report, compare=False):
     lines = ["| model | " + " | ".join(c for c, _ in COLUMNS) + f" | Avg of {n9} (Tab. 1 way) | Avg of {n8} (Tab. 3 way) |",
              "|---" * (len(COLUMNS) + 3) + "|"]
     marks = {(t, k) for t, r in ok.items() if r["collapsed"] for k in r["mean"]}
-    sub = report["args"].get("max_train_samples"), report["args"].get("max_eval_samples")
+    cut = any(isinstance(r.get("n_train_full"), int) and r.get("n_train", 0) < r["n_train_full"] for r in ok.values())
+    sub = report["args"].get("max_train_samples") if cut else None, report["args"].get("max_eval_samples")
     flag = "".join([f"; TRAIN SUBSAMPLED to {sub[0]} rows/task" if sub[0] else "",
                     f"; DEV SUBSAMPLED to {sub[1]} rows" if sub[1] else ""])
     for stat in (["mean", "median"] if n_runs > 1 else ["mean"]):

@@ -324,6 +324,11 @@ def test_max_samples_and_default_out(tmp_path, tiny_model_dir, capsys, monkeypat
     out = capsys.readouterr().out
     assert "TRAIN SUBSAMPLED to 10 rows/task" in (model_dir / "glue.md").read_text()
     assert out.count("warm-up steps shrink") == 1
+    # a cap above every task's rows cuts nothing: the row is not marked as subsampled (it was)
+    ev.main(["--model", str(model_dir), "--glue_dir", str(glue), "--tasks", "sts-b", "--epochs", "1",
+             "--max_train_samples", "5000", "--out", str(tmp_path / "uncut")])
+    assert json.loads((tmp_path / "uncut" / "glue.json").read_text())["tasks"]["stsb"]["n_train"] == 48
+    assert "SUBSAMPLED" not in (tmp_path / "uncut" / "glue.md").read_text()
 
 
 def test_an_export_with_a_smaller_tokenizer_put_in_is_refused(tmp_path, tiny_model_dir, capsys):
