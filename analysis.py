@@ -919,17 +919,29 @@ def read_log(path, finite=True):
     return {key: (sorted(points), [points[s] for s in sorted(points)]) for key, points in series.items()}
 
 
-def read_starts(path):
-    """log.jsonl's start and resume records ({"config", "provenance", ...}), in order."""
-    starts = []
+def read_records(path):
+    """log.jsonl's records (JSON objects), in order; a damaged line is left out."""
+    records = []
     for line in read_text(path).splitlines():
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if isinstance(record, dict) and isinstance(record.get("config"), dict):
-            starts.append(record)
-    return starts
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
+def read_starts(path):
+    """log.jsonl's start and resume records ({"config", "provenance", ...}), in order."""
+    return [r for r in read_records(path) if isinstance(r.get("config"), dict)]
+
+
+def diverged_at(path):
+    """The step where the run stopped diverged (train.py's last log line then says so), or None: a resume since,
+    or a run that did not diverge."""
+    records = read_records(path)
+    return records[-1].get("step") if records and "diverged" in records[-1] else None
 
 
 def plot_logs(paths, out):
@@ -985,7 +997,9 @@ def plot_logs(paths, out):
     _save_figure(fig, path)
     plt.close(fig)
     print(f"wrote {path}")
-    table = last_held_out(raw)
+    stops = {label: diverged_at(p) for label, p in zip(labels, paths)}
+    table = last_held_out({label if stops[label] is None else f"{label} (diverged at step {stops[label]})": log
+                           for label, log in raw.items()})
     if table:  # the numbers an ablation compares, beside the picture, and what each run changed
         settings = run_settings({label: read_starts(p) for label, p in zip(labels, paths)})
         table += "\n\n" + settings if settings else ""

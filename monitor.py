@@ -4,8 +4,8 @@ The algorithm does not need this module. It guarantees (test_reliability.py's Na
 test_bench.py's FLOP tests, test_train.py's log tests):
 - a non-finite loss or gradient norm, or an fp16 loss scale collapsing below MIN_LOSS_SCALE, stops the run
   with Diverged before it can save NaN weights (ckpt.pt and its export keep the last good step), and all
-  DDP ranks stop at the same step; the check reads the device only at log steps and before saves, so the
-  step itself never waits for the host;
+  DDP ranks stop at the same step, and log.jsonl's last line says why; the check reads the device only at log
+  steps and before saves, so the step itself never waits for the host;
 - MFU is counted with the FLOPs the objective really computes (objective_flops_per_token).
 (The console that outlives its reader is console.py's.)
 """
@@ -29,9 +29,9 @@ class DivergenceWatch:
     """Notes on the device, without a host sync, the first step whose loss or gradient norm was not finite;
     check() reads it (collectively, under DDP) and raises Diverged."""
 
-    def __init__(self, layout, cfg, scaler, params, local_changes=None):
+    def __init__(self, layout, cfg, scaler, params, run=None):
         self.layout, self.cfg, self.scaler, self.params = layout, cfg, scaler, params
-        self.local_changes = local_changes  # the code.diff of a run on edited code: the message names it
+        self.run = run  # rundir.Run: log.jsonl records the stop, and a run on edited code names its code.diff
         self.first_bad = torch.full((), NOT_YET, dtype=torch.long, device=layout.device)
 
     def record(self, bad, step):
@@ -52,13 +52,17 @@ class DivergenceWatch:
                                if v is not None)
             kept = (f"{cfg.out_dir}/ckpt.pt and its export keep step {saved_step}" if saved_step else
                     "nothing was saved")
-            raise Diverged(f"non-finite loss or gradient norm at step {bad} (step {step}: {terms}); stopped "
-                           f"without saving: {kept}. Try a lower learning rate: "
-                           + (f"python train.py --resume {cfg.out_dir} --lr {cfg.lr / 2:.3g}" if saved_step else
-                              f"--lr {cfg.lr / 2:.3g}") + (
-                               f"; or check the code's local changes ({self.local_changes}: python -m pytest -q "
-                               f"test_losses.py compares losses.py with its references)" if self.local_changes else "")
-                           + scale_flags_hint(cfg))
+            local_changes = getattr(self.run, "local_changes", None)
+            message = (f"non-finite loss or gradient norm at step {bad} (step {step}: {terms}); stopped "
+                       f"without saving: {kept}. Try a lower learning rate: "
+                       + (f"python train.py --resume {cfg.out_dir} --lr {cfg.lr / 2:.3g}" if saved_step else
+                          f"--lr {cfg.lr / 2:.3g}") + (
+                           f"; or check the code's local changes ({local_changes}: python -m pytest -q "
+                           f"test_losses.py compares losses.py with its references)" if local_changes else "")
+                       + scale_flags_hint(cfg))
+            if self.run is not None:  # log.jsonl says why the run ends here (eval.py --plot_log shows it)
+                self.run.log({"step": step, "diverged": message})
+            raise Diverged(message)
 
 
 SCALE_FLAGS = ("taco_temperature", "tacl_temperature", "cocolm_scl_temperature", "taco_weight", "cocolm_copy_weight",

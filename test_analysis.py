@@ -598,6 +598,7 @@ def test_a_non_finite_held_out_value_is_shown_not_taken_for_missing(tmp_path):
     assert rows[0] == "| run | step | val_mlm_loss | val_tc_loss | val_pos_cos |"
     assert rows[2] == "| run | 0 | 9.0500 | inf | nan |"
 
+
 def test_runs_sharing_a_directory_keep_their_own_labels(tmp_path):
     # found by a fuzz of eval.py's flags: two logs in one folder (or a run dir and its ckpt.pt) got one label, and the
     # legend, the table and analysis.json kept one of the two runs without a word

@@ -302,6 +302,28 @@ def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(corpus, cache, tmp
     assert line.endswith("or undo --grad_clip 0 (off the preset's value)") if grad_clip == 0 else "undo" not in line
 
 
+def test_a_diverged_run_says_so_in_its_log_and_in_the_comparison(corpus, cache, tmp_path, capsys, monkeypatch):
+    # found playing the ablation user: a diverged run's log.jsonl just stopped, so --plot_log showed it as a run
+    # that ended early; its last line now holds the error, until a resume goes on
+    import analysis
+    monkeypatch.setitem(losses.LOSSES, "mlm", NaNAfter)
+    monkeypatch.setattr(NaNAfter, "after", 12)
+    monkeypatch.setattr(NaNAfter, "calls", 0)
+    out_dir = tmp_path / "run"
+    code, _, err = run_main(flags(corpus, cache, out_dir, max_steps=30, eval_interval=5), capsys)
+    assert code == 1
+    last = read_log(out_dir)[1][-1]
+    assert last["step"] == 15 and err == f"error: {last['diverged']}\n" and "at step 13" in last["diverged"]
+    log = str(out_dir / "log.jsonl")
+    assert analysis.diverged_at(log) == 15
+    analysis.plot_logs([log], str(tmp_path / "plots"))
+    assert "| run (diverged at step 15) | 10 | " in (tmp_path / "plots" / "training_curves.md").read_text()
+    monkeypatch.setattr(NaNAfter, "after", 10 ** 9)  # resumed with the cause gone: the run goes on, and is no
+    code, _, err = run_main(["--resume", out_dir, "--max_steps", 20], capsys)  # longer a diverged one
+    assert code == 0, err
+    assert analysis.diverged_at(log) is None
+
+
 def test_a_divergence_names_the_loss_scaling_flags_that_moved(corpus, cache, tmp_path, capsys):
     code, _, err = run_main(flags(corpus, cache, tmp_path / "run", objective="taco", taco_negatives=8,
                                   taco_temperature=1e-30, log_interval=1), capsys)

@@ -163,7 +163,7 @@ def train(cfg, ckpt=None):
             run.log(record)
             print(f"step {step:6d} | " + " | ".join(f"{k} {v:.4f}" for k, v in record.items() if k != "step"))
 
-    watch = DivergenceWatch(layout, cfg, scaler, params, run.local_changes)  # stops the run before it saves NaN weights
+    watch = DivergenceWatch(layout, cfg, scaler, params, run)  # stops the run before it saves NaN weights
     meter = StepLog(cfg, model_config, layout, step, trained_s)
     metrics = {}  # the last step's; save() shows them if the weights diverged
     stop = distributed.StopSignals(layout)  # SIGINT / SIGTERM: stop after the step in flight
