@@ -62,6 +62,7 @@ SCALES = {
         steps=20, extra_steps=10, continue_lr=1e-3,
         glue=["--max_eval_samples", "64", "--epochs", "1", "--max_len", "64"], glue_train_rows=64,
         recipes="paper", tasks="cola,stsb", seeds="1,2", analysis=["--num_sentences", "50"],
+        shows="The toy scale checks the pipeline end to end; its numbers say nothing about the papers' claims.",
         # one thread: a tiny model gains nothing from more, and on a busy CPU torch's thread pool made a
         # 20-step toy run take 25 s of CPU instead of 3.5 (measured)
         env={"OMP_NUM_THREADS": "1"}),
@@ -75,7 +76,8 @@ SCALES = {
                "--ckpt_interval", "1000"],
         steps=5000, extra_steps=1000, continue_lr=1e-4,
         glue=[], glue_train_rows=3000, recipes="paper", tasks="cola,sst2,mrpc,stsb,rte", seeds="1,2", analysis=[],
-        env={}),
+        env={}, shows="The cpu scale trains a 2 x 128 model for 10M tokens; the papers' claims are for BERT-small or "
+        "larger over billions: a GLUE difference here neither confirms nor refutes them."),
     # One H100, ~25 minutes in all (estimates from bench.py's step times, not yet measured end to end):
     # BERT-small (4 x 512), seq 128, batch 256 (32,768 tokens a step). 3,000 steps (98M tokens) at
     # MLM's 2.4M tokens/s is ~45 s of MLM (TACO 1.5x, ELECTRA 1.7x, COCO-LM 2.6x): ~5 minutes of steps
@@ -95,7 +97,9 @@ SCALES = {
         # GLUE with Table 7's recipe only: on a BERT-small pretrained briefly on a CPU it does not collapse and
         # `short` (lr 1e-3, chosen on the 2 x 128 model) does (results/cpu/short_recipe.md); --recipes adds it
         steps=3000, extra_steps=1000, continue_lr=1e-4, glue=[], glue_train_rows=8551, recipes="paper",
-        tasks="cola,sst2,mrpc,stsb,rte", seeds="1,2", analysis=[], env={}),
+        tasks="cola,sst2,mrpc,stsb,rte", seeds="1,2", analysis=[], env={},
+        shows="The mini scale trains TACO's BERT-small for 98M tokens, against the papers' 82B: an early look at "
+        "the claims, not their replication."),
 }
 
 # the number each GLUE task is reported by (TACO's Avg uses these), then the other metrics
@@ -733,6 +737,16 @@ def claim_cell(better, base):
     return f"{diff:+.1f} {mark}"
 
 
+def chance_note(n):
+    """How often a claims cell separates two runs by chance, with n fine-tuning seeds each and no real
+    difference: the 2n scores' orderings are equally likely, and 2 of the C(2n, n) splits put one run's
+    seeds all above the other's."""
+    if n < 2:
+        return "With one seed a run, every cell reads \">\" or \"<\": none is evidence."
+    return (f"With {n} seeds a run and no real difference, a cell reads \">\" or \"<\" by chance 1 time in "
+            f"{math.comb(2 * n, n) // 2}.")
+
+
 def claim_rows(runs, tasks, recipe):
     """The rows of the claims table for one recipe: one per claimed pair whose runs are both in `runs`."""
     glue = {name: r.get("glue_by_recipe", {}).get(recipe) or {} for name, r in runs.items()}
@@ -742,12 +756,21 @@ def claim_rows(runs, tasks, recipe):
             return glue[name].get("avg_per_seed") or []
         t = (glue[name].get("tasks") or {}).get(task) or {}
         return [v for v in (t.get("per_seed") or {}).values() if v is not None] if t.get("status") == "ok" else []
+
+    def collapsed(name, task):  # some fine-tuning run predicted one class: the difference may measure that
+        scored = glue[name].get("tasks") or {}
+        return any((scored.get(t) or {}).get("collapsed") for t in (
+            glue[name].get("avg_over") or [] if task == "Avg" else [task]))
+
+    def cell(task):
+        text = claim_cell(seeds(better, task), seeds(base, task))
+        return text + " c" * (text != "–" and (collapsed(better, task) or collapsed(base, task)))
     rows = []
     for better, base, who in CLAIMS:
         if better in runs and base in runs:
             same_avg = glue[better].get("avg_over") == glue[base].get("avg_over")
-            cells = [claim_cell(seeds(better, t), seeds(base, t)) for t in tasks]
-            cells.append(claim_cell(seeds(better, "Avg"), seeds(base, "Avg")) if same_avg else "–")
+            cells = [cell(t) for t in tasks]
+            cells.append(cell("Avg") if same_avg else "–")
             rows.append(f"| {better} − {base} ({who}) | " + " | ".join(cells) + " |")
     return rows
 
@@ -762,7 +785,8 @@ def markdown(results, pngs, level=1, folder=""):
     label = {name: name + " (unfinished)" * (not r.get("finished", True)) for name, r in runs.items()}
     metrics = ", ".join(f"{GLUE_DIRS[t]} {METRIC_NAMES[PRIMARY[t]]}" for t in tasks)
     capped = f", train sets capped at {results['glue_train_rows']:,} rows" if results.get("glue_train_rows") else ""
-    lines = [f"{h(1)}Results: scale {results['scale']}", "",
+    shows = SCALES.get(results["scale"], {}).get("shows")
+    lines = [f"{h(1)}Results: scale {results['scale']}", "", *([shows, ""] if shows else []),
              f"Data `{results['data'] or 'train.py default'}`, pretraining seed {results['seed']}; GLUE dev sets, "
              f"fine-tuning seeds {', '.join(results['seeds'])}{capped}: mean ± standard deviation over seeds "
              f"(×100; {metrics}). Avg = the mean over these tasks, per seed, then mean ± std; \"(k/n tasks)\": "
@@ -778,7 +802,11 @@ def markdown(results, pngs, level=1, folder=""):
         if claims:
             lines += ["The papers' claims with this recipe: difference of means (×100), \">\": every seed of the "
                       "first run above every seed of the second, \"<\": every one below, \"~\": the seeds' ranges "
-                      "overlap (within seed noise).", "", *table_head("claim", *tasks, "Avg"), *claims, ""]
+                      "overlap (within seed noise). " + chance_note(len(results["seeds"])) + " \"c\": a run of the "
+                      "pair has collapsed fine-tuning runs on the task (for the Avg, on one of its tasks), so the "
+                      "difference may measure the collapse, not the pretraining. Each objective is one pretraining run "
+                      f"(seed {results['seed']}): the seeds vary the fine-tuning only.", "",
+                      *table_head("claim", *tasks, "Avg"), *claims, ""]
     lines += [f"{h(2)}Pretraining: held-out numbers at the last step, and cost", "",
               "MLM loss: the main model's (MLM, TACO, TaCL); ELECTRA and COCO-LM train no MLM head on the main "
               "model, so theirs is the generator's, not comparable. \"Own metric\" is the objective's own "

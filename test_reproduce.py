@@ -909,6 +909,34 @@ def test_claims_table_marks_only_differences_the_seeds_separate():
     assert reproduce.claim_cell([1, 2], [3, 4]) == "-2.0 <"
 
 
+def test_claims_table_says_which_cells_a_collapse_made_and_how_often_noise_separates():
+    # a difference against a run that predicted one class is the collapse's, not the pretraining's: the cell and
+    # the Avg over that task say so; both runs' CoLA collapsed read "+0.0 ~" as if the seeds overlapped
+    def run(sst2, cola, collapsed):
+        task = lambda scores, c: dict(status="ok", per_seed=dict(zip("12", scores)), collapsed=c, mean=scores[0], std=0)
+        avg = [(a + b) / 2 for a, b in zip(sst2, cola)]
+        glue = dict(tasks={"sst2": task(sst2, collapsed), "cola": task(cola, 2)}, avg_per_seed=avg, avg=avg[0],
+                    avg_std=0, avg_over=["sst2", "cola"])
+        return dict(glue=glue, glue_by_recipe={"paper": glue})
+    runs = {"cocolm": run([54, 55], [0, 0], 0), "electra": run([50.9, 50.9], [0, 0], 2),
+            "taco": run([70, 71], [0, 0], 0), "mlm": run([72, 73], [0, 0], 0)}
+    rows = reproduce.claim_rows(runs, ["sst2", "cola"], "paper")
+    assert rows[0] == "| taco − mlm (TACO, Fu et al. 2022) | -2.0 < | +0.0 ~ c | -1.0 < c |"
+    assert rows[1] == "| cocolm − electra (COCO-LM, Meng et al. 2021) | +3.6 > c | +0.0 ~ c | +1.8 > c |"
+    # 2 seeds a run: 2 of the 6 splits of 4 scores separate them; 3 seeds: 2 of 20
+    assert "by chance 1 time in 3." in reproduce.chance_note(2) and "1 time in 10." in reproduce.chance_note(3)
+    analysis = dict.fromkeys(["intra", "inter", "contextual", "l1_ratio", "l2_ratio", "cos_ratio", "isotropy",
+                              "self_similarity_last", "wordsim_cooc", "wordsim353_spearman", "simlex999_spearman",
+                              "cls_gap", "mean_gap"])
+    for r in runs.values():
+        r.update(steps=20, final={}, own_metric=dict(name=None), tokens_per_s=None, step_time_vs_mlm=None,
+                 train_wall_s=None, analysis=analysis)
+    text = reproduce.markdown(dict(scale="toy", data="", seed=1, seeds=["1", "2"], tasks=["sst2", "cola"],
+                                   recipes=["paper"], runs=runs), [])
+    assert "1 time in 3" in text and '"c": a run of the pair has collapsed' in text
+    assert "The toy scale checks the pipeline end to end; its numbers say nothing about the papers' claims." in text
+
+
 def test_data_is_checked_before_anything_is_saved(tmp_path, monkeypatch):
     # reproduce.py refuses what train.py would (corpus.resolve_files) before reproduce.json and the first run
     monkeypatch.chdir(tmp_path)
