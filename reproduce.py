@@ -813,7 +813,9 @@ def markdown(results, pngs, level=1, folder=""):
               "held-out number at step 0 → the last step (ELECTRA's disc and COCO-LM's copy loss must end below "
               "the trivial BCE of predicting the replaced rate, shown in brackets, and their AUC of replaced over "
               "original tokens must exceed chance, 0.5; TaCL accuracy must rise; "
-              "TACO's tc_loss must fall). Seconds: the training loop's "
+              "TACO's tc_loss must fall). Contextual score: train.py's, with a packed validation block as the "
+              "context, on another scale than the representations table's per-sentence one (fidelity note 38). "
+              "Seconds: the training loop's "
               "wall-clock (evaluations included); step time relative to MLM's tokens/s gives the equal-compute "
               "view.", "",
               *table_head("run", "steps", "val MLM loss", "val gen loss", "own metric: first → last",

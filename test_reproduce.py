@@ -893,6 +893,14 @@ def test_results_md_names_each_tasks_metric():
     assert "CoLA MCC, QQP F1, MNLI matched accuracy" in text
 
 
+def test_results_md_says_which_contextual_score_each_table_shows():
+    # train.py's per packed block (the pretraining table: cpu TACO 0.091) and the analysis' per sentence (the
+    # representations table and the README: 0.103) are two numbers under one name
+    results = dict(scale="cpu", data="", seed=1, seeds=["1"], tasks=["cola"], runs={})
+    text = reproduce.markdown(results, [])
+    assert "Contextual score: train.py's, with a packed validation block as the context" in text
+
+
 def test_claims_table_marks_only_differences_the_seeds_separate():
     def run(sst2, cola):
         tasks = {"sst2": dict(status="ok", per_seed=dict(zip("123", sst2))),
