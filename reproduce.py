@@ -970,6 +970,9 @@ def parse(argv):
             setattr(args, name, os.path.abspath(value))
     if any(c in args.data for c in "*?[") and not os.path.isabs(args.data):  # a local glob
         args.data = os.path.join(glob.escape(os.getcwd()), args.data)  # (config.data_path's rule)
+    if args.data and os.path.exists(args.data) and os.path.exists(corpus.SAMPLE_CORPUS) and os.path.samefile(
+            args.data, corpus.SAMPLE_CORPUS):
+        args.data = ""  # train.py's default named: the same settings as leaving --data out
 
     objectives = [o.strip() for o in args.objectives.split(",") if o.strip()]
     unknown = [o for o in objectives if o not in SCRATCH + ["tacl"]] or ([] if objectives else [args.objectives])
