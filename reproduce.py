@@ -656,8 +656,9 @@ def collect(args, runs):
                              cos_ratio=ctx.get("cos_ratio"), wordsim_cooc=wordsim.get("cooc_cos"),
                              isotropy=a.get("isotropy_random_pair_cos"),
                              self_similarity_last=sims[-1] if isinstance(sims, list) and sims else None,
-                             wordsim353_spearman=wordsim.get("spearman"),
+                             wordsim353_spearman=wordsim.get("spearman"), wordsim353_pairs=wordsim.get("covered"),
                              simlex999_spearman=part(a, "simlex999").get("spearman"),
+                             simlex999_pairs=part(a, "simlex999").get("covered"),
                              cls_gap=sent.get("cls_gap"), mean_gap=sent.get("mean_gap"))
         results["runs"][name] = r
     mlm = results["runs"].get("mlm", {})
@@ -835,13 +836,16 @@ def markdown(results, pngs, level=1, folder=""):
     lines += ["", f"{h(2)}Representations (eval.py --analysis, held-out sentences)", "",
               *table_head("run", "intra", "inter", "contextual", "L1 intra/inter (<1: contextual)", "L2 intra/inter",
                           "cosine intra/inter (>1: contextual)", "isotropy", "self-sim (last layer)",
-                          "WordSim353 20 pairs cos (A.3)", "WordSim353 ρ", "SimLex-999 ρ", "[CLS] gap",
-                          "mean-pool gap")]
+                          "WordSim353 20 pairs cos (A.3)", "WordSim353 ρ (pairs)", "SimLex-999 ρ (pairs)",
+                          "[CLS] gap", "mean-pool gap")]
     for name, r in runs.items():
         a = r["analysis"]
-        lines.append(f"| {label[name]} | " + " | ".join(fmt(a[k]) for k in (
+        # a ρ over the pairs whose words are single tokens of this vocabulary: how many, beside it
+        rho = lambda k: fmt(a[k + "_spearman"]) + (f" ({a[k + '_pairs']})" if isinstance(a.get(k + "_pairs"), int)
+                                                    and a[k + "_spearman"] is not None else "")
+        lines.append(f"| {label[name]} | " + " | ".join([fmt(a[k]) for k in (
             "intra", "inter", "contextual", "l1_ratio", "l2_ratio", "cos_ratio", "isotropy", "self_similarity_last",
-            "wordsim_cooc", "wordsim353_spearman", "simlex999_spearman", "cls_gap", "mean_gap")) + " |")
+            "wordsim_cooc")] + [rho("wordsim353"), rho("simlex999"), fmt(a["cls_gap"]), fmt(a["mean_gap"])]) + " |")
     lines += ["", "Plots: " + ", ".join(f"[`{p}`]({folder}{p})" for p in pngs) +
               f"; the analysis plots are in [`{folder}analysis/`]({folder}analysis/).", ""]
     prov = {name: r["provenance"] for name, r in runs.items() if r.get("provenance")}

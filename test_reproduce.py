@@ -944,6 +944,13 @@ def test_claims_table_says_which_cells_a_collapse_made_and_how_often_noise_separ
                                    recipes=["paper"], runs=runs), [])
     assert "1 time in 3" in text and '"c": a run of the pair has collapsed' in text
     assert "The toy scale checks the pipeline end to end; its numbers say nothing about the papers' claims." in text
+    # a word-similarity ρ says over how many pairs: the toy vocabulary covers 2 of WordSim353's 353 (ρ = -1)
+    runs["taco"]["analysis"] = dict(analysis, wordsim353_spearman=-1.0, wordsim353_pairs=2, simlex999_spearman=0.25,
+                                    simlex999_pairs=895)
+    text = reproduce.markdown(dict(scale="toy", data="", seed=1, seeds=["1", "2"], tasks=["sst2", "cola"],
+                                   recipes=["paper"], runs=runs), [])
+    row = next(line for line in text.splitlines() if line.startswith("| taco |") and "(2)" in line)
+    assert f"| {reproduce.fmt(-1.0)} (2) | {reproduce.fmt(0.25)} (895) |" in row and "WordSim353 ρ (pairs)" in text
 
 
 def test_data_is_checked_before_anything_is_saved(tmp_path, monkeypatch):
