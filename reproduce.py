@@ -1116,10 +1116,12 @@ def reproduce(args):
             continue_run(args, scale, name)
     if "glue" in stages:
         glue(args, scale)
+    # the analysis and the report are of the whole out_dir: runs of an earlier call's --objectives too
+    present = [r for r in SCRATCH + list(CONTINUED) if r in args.runs or os.path.isdir(os.path.join(args.out_dir, r))]
     if "analysis" in stages:
-        analyse(args, scale, args.runs)
+        analyse(args, scale, present)
     if "report" in stages and not args.dry_run:
-        report(args, args.runs)
+        report(args, present)
     print(f"reproduce.py: {time.time() - t0:.0f}s")
 
 

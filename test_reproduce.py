@@ -716,6 +716,19 @@ def test_a_glue_dir_without_the_tasks_is_refused_before_pretraining(tmp_path):
                for t, task in glue_tasks.TASKS.items())
 
 
+def test_the_report_is_of_every_run_in_out_dir(tmp_path, monkeypatch):
+    # a call with --objectives taco on an out_dir whose mlm an earlier call made: results.md dropped mlm (and
+    # with it the taco - mlm claim) without a word
+    out = tmp_path / "repro"
+    for name in ("mlm", "taco"):
+        make_run(out, name, SETTINGS["steps"])
+    (out / "reproduce.json").write_text(json.dumps(SETTINGS))
+    monkeypatch.setattr(reproduce, "plot", lambda results, out_dir: [])
+    reproduce.main(["--out_dir", str(out), "--scale", "toy", "--seed", "1337", "--steps", "20", "--extra_steps", "10",
+                    "--tasks", "cola,stsb", "--seeds", "1,2", "--objectives", "taco", "--only", "report"])
+    assert list(json.loads((out / "results.json").read_text())["runs"]) == ["mlm", "taco"]
+
+
 def test_a_full_disk_is_one_error_line_and_leaves_no_temporary_file(tmp_path, capsys):
     # reproduce.py's own files (reproduce.json, reproduce_time.json, results.json and .md, plots): a write the
     # disk refused was a traceback, and left its NAME.tmp behind
