@@ -8,8 +8,8 @@ It guarantees (test_reliability.py and test_train.py hold it to each):
   when the two disagree (a run killed between them); a failed save or log write (a full disk) is one line
   and keeps the last good one;
 - a resume reads its own tokenizer and refuses other data (a fingerprint of the token streams), as a run
-  refuses ranks that read other tokens than rank 0 (a node's own copy of --data or --cache_dir) or run
-  other code (a node's own checkout, edited; another torch);
+  refuses ranks that read other tokens than rank 0 (a node's own copy of --data or --cache_dir), run
+  other code (a node's own checkout, edited; another torch) or were given other flags (but their paths);
 - every segment of a run records the code that ran (git commit, code.diff of local changes, each module's
   hash), torch, host; a resume names the modules that changed since the run last started;
 - bad input is one `error:` line and exit 2 (under torchrun from rank 0, plus one `error (rank N):` line from
@@ -332,20 +332,35 @@ def code_fingerprint():
     return code
 
 
-def same_on_every_rank(cfg, layout, fingerprint):
-    """Every node runs the same code (an ablation's edit on one node would mix two objectives in one run)
-    and, with its own copy of --data or its own --cache_dir, has read the same tokens: else every rank
-    raises, and rank 0 and each other node's first process say why."""
+# the flags a node may give its own way: its own paths (a copy of --data, the tokenizer or the weights on its disk, a
+# local --cache_dir; rank 0 alone writes out_dir) and device choices that change no number of the recipe
+NODE_FLAGS = ("data", "tokenizer", "cache_dir", "out_dir", "resume", "init_from", "device", "compile")
+
+
+def same_on_every_rank(cfg, layout, fingerprint=None):
+    """Every node runs the same code (an ablation's edit on one node would mix two objectives in one run) with
+    the same flags but NODE_FLAGS (a node launched with its own --lr trained its replica with it, silently) and,
+    with its own copy of --data or its own --cache_dir, has read the same tokens (`fingerprint`: checked once
+    the data is read; train.py checks code and flags before): else every rank raises, and rank 0 and each other
+    node's first process say why."""
     code = code_fingerprint()
-    ranks = distributed.every_rank(layout, (code, fingerprint))
-    others = {r: c for r, (c, _) in enumerate(ranks) if c != code}
+    flags = {k: v for k, v in asdict(cfg).items() if k not in NODE_FLAGS}
+    ranks = distributed.every_rank(layout, (code, flags, fingerprint))
+    others = {r: c for r, (c, _, _) in enumerate(ranks) if c != code}
     if others:
         theirs = others[min(others)]
         differ = sorted(name for name in code.keys() | theirs.keys() if code.get(name) != theirs.get(name))
         raise ValueError(f"rank(s) {', '.join(map(str, others))} run other code than rank {layout.rank} "
                          f"(on rank {min(others)}, other {', '.join(differ)}): every node needs the same "
                          f"checkout of this project and the same torch")
-    others = {r: f for r, (_, f) in enumerate(ranks) if f != fingerprint}
+    others = {r: f for r, (_, f, _) in enumerate(ranks) if f != flags}
+    if others:
+        theirs = others[min(others)]
+        differ = [f"--{k} {theirs[k]} (here {v})" for k, v in flags.items() if theirs.get(k) != v]
+        raise ValueError(f"rank(s) {', '.join(map(str, others))} run with other flags than rank {layout.rank} "
+                         f"(on rank {min(others)}: {', '.join(differ)}): every node needs the same train.py flags "
+                         f"(but its own paths: --{', --'.join(NODE_FLAGS[:6])})")
+    others = {r: f for r, (_, _, f) in enumerate(ranks) if f != fingerprint}
     if others:
         raise ValueError(f"--data {cfg.data}: rank(s) {', '.join(map(str, others))} read other data than rank "
                          f"{layout.rank} ({fingerprint}; rank {min(others)}: {others[min(others)]}): every node "

@@ -1,4 +1,5 @@
 """train.py end to end on CPU: flags, every objective's smoke run, bad input, DDP, kill + resume."""
+import dataclasses
 import json
 import os
 import random
@@ -412,11 +413,12 @@ def test_two_nodes_with_their_own_data_and_cache(corpus, tmp_path):
     # torchrun across two "nodes" on this machine, each with its own copy of the corpus and its own --cache_dir:
     # node 1 trains the same tokenizer and tokenizes the same stream itself; a copy that differs stops the run,
     # and so does a checkout of node 1's own whose losses.py was edited
-    def two_nodes(node1_data, out, node1_code=HERE):
+    def two_nodes(node1_data, out, node1_code=HERE, **node1_flags):
         port, procs = free_port(), []
         for node, data, code in ((0, corpus, HERE), (1, node1_data, node1_code)):
             flags = common(corpus, tmp_path, out=out, data=data, cache_dir=tmp_path / f"cache{node}_{out}",
-                           max_steps=2, warmup_steps=1, ckpt_interval=2, eval_interval=100)
+                           max_steps=2, warmup_steps=1, ckpt_interval=2, eval_interval=100,
+                           **(node1_flags if node else {}))
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",
                  "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}", "train.py",
@@ -450,6 +452,11 @@ def test_two_nodes_with_their_own_data_and_cache(corpus, tmp_path):
         "error: rank(s) 1 run other code than rank 0 (on rank 1, other losses.py): every node needs the same "
         "checkout of this project and the same torch"], err0[-2000:]
     assert not (tmp_path / "edited").exists()
+    (code0, err0), (code1, err1) = two_nodes(corpus, "lr", lr=5e-4)  # node 1's command drifted: it trained its own lr
+    errors = [line for line in err0.splitlines() if line.startswith("error")]
+    assert code0 != 0 and code1 != 0 and errors[0].startswith(
+        "error: rank(s) 1 run with other flags than rank 0 (on rank 1: --lr 0.0005 (here "), err0[-2000:]
+    assert not (tmp_path / "lr").exists() and not list((tmp_path / "cache1_lr").glob("tokens-*"))  # before the data
 
 
 # ---- bad input: one clear line, non-zero exit, nothing saved lost
@@ -635,8 +642,9 @@ def test_rank0_prepares_the_data_first_and_every_rank_leaves_together(monkeypatc
 
 
 def test_every_rank_runs_the_same_code_and_read_the_same_tokens(monkeypatch, tmp_path):
-    # Run() gathers each rank's (code, data) fingerprints: a node whose checkout differs in one module (an
-    # ablation's edit), runs another torch, or read other tokens stops every rank, naming what differs
+    # Run() gathers each rank's (code, flags, data) fingerprints: a node whose checkout differs in one module (an
+    # ablation's edit), runs another torch, was given other flags (its own --lr: its replica trained with it,
+    # silently) or read other tokens stops every rank, naming what differs; its own paths are its own
     import distributed
     code, cfg = rundir.code_fingerprint(), config.TrainConfig(out_dir=str(tmp_path / "out"))
     assert {"torch", "losses.py", "model.py", "train.py", "rundir.py"} <= code.keys()
@@ -645,15 +653,25 @@ def test_every_rank_runs_the_same_code_and_read_the_same_tokens(monkeypatch, tmp
     peers = {}
     monkeypatch.setattr(distributed, "every_rank", lambda layout, mine: [mine, *peers["values"]])
     edited, other_torch = {**code, "losses.py": "0" * 12}, {**code, "torch": "2.0.0"}
-    cases = [([(code, "A"), (edited, "A")], r"rank\(s\) 2 run other code than rank 0 \(on rank 2, other losses.py\)"),
-             ([(other_torch, "A"), (edited, "B")], r"rank\(s\) 1, 2 run other code .*\(on rank 1, other torch\)"),
-             ([(code, "B"), (code, "A")], r"rank\(s\) 1 read other data than rank 0 \(A; rank 1: B\)")]
+    flags = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in rundir.NODE_FLAGS}
+    other_lr = {**flags, "lr": 5e-4, "taco_temperature": 0.5}
+    cases = [([(code, flags, "A"), (edited, flags, "A")],
+              r"rank\(s\) 2 run other code than rank 0 \(on rank 2, other losses.py\)"),
+             ([(other_torch, flags, "A"), (edited, flags, "B")], r"rank\(s\) 1, 2 run other code .*\(on rank 1, other torch\)"),
+             ([(code, flags, "A"), (code, other_lr, "A")], r"rank\(s\) 2 run with other flags than rank 0 \(on rank 2: "
+              r"--lr 0.0005 \(here 0.001\), --taco_temperature 0.5 \(here 0.07\)\): every node needs the same"),
+             ([(code, flags, "B"), (code, flags, "A")], r"rank\(s\) 1 read other data than rank 0 \(A; rank 1: B\)")]
     for values, message in cases:
         peers["values"] = values
         with pytest.raises(ValueError, match=message):
             rundir.Run(cfg, layout, None, "A")
-    peers["values"] = [(code, "A"), (dict(code), "A")]
-    assert rundir.Run(cfg, layout, None, "A").fingerprint == "A"
+    seen = []  # what a node with its own paths and device gathers: the same flags as rank 0's
+    node1 = dataclasses.replace(cfg, data="/node1/wiki", cache_dir="/node1/cache", out_dir="/mnt/out", device="cuda")
+    monkeypatch.setattr(distributed, "every_rank", lambda layout, mine: seen.append(mine) or [mine])
+    rundir.same_on_every_rank(node1, layout, "A")
+    peers["values"] = [seen[0]] * 2
+    monkeypatch.setattr(distributed, "every_rank", lambda layout, mine: [mine, *peers["values"]])
+    assert seen[0][1] == flags and rundir.Run(cfg, layout, None, "A").fingerprint == "A"
 
 
 def test_ranks_agree_on_the_logged_mean_the_first_bad_step_and_a_stop(monkeypatch):
