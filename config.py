@@ -293,9 +293,10 @@ def unread_flags(cfg, given):
             if name.startswith(prefix) and cfg.objective not in users.split()]
 
 
-def micro_batching(cfg, world):
+def micro_batching(cfg, world, advise=True):
     """(sequences per micro-step per process, micro-steps per optimizer step). tokens_per_step fixes
-    the global batch; batch_size is a memory cap, lowered when `world` processes would exceed it."""
+    the global batch; batch_size is a memory cap, lowered when `world` processes would exceed it. A step that
+    does not split says what would (advise)."""
     batch_size = cap = min(cfg.batch_size, max(1, cfg.tokens_per_step // (cfg.seq_len * world)))
     if cfg.negative_pool and pooled(cfg.objective):
         # whole pools per process, so the negatives (and the objective) are the same on any layout
@@ -311,9 +312,34 @@ def micro_batching(cfg, world):
                          + (", or lower --taco_negatives" if name == "taco_negatives" else ""))
     micro_tokens = batch_size * cfg.seq_len * world
     if cfg.tokens_per_step % micro_tokens:
-        raise ValueError(f"tokens_per_step {cfg.tokens_per_step} is not a multiple of batch_size {batch_size} "
-                         f"x seq_len {cfg.seq_len} x {world} processes = {micro_tokens}")
+        lowered = f" (--batch_size {cfg.batch_size}, lowered)" if batch_size != cfg.batch_size else ""
+        raise ValueError(f"tokens_per_step {cfg.tokens_per_step} is not a multiple of batch_size {batch_size}{lowered} "
+                         f"x seq_len {cfg.seq_len} x {world} processes = {micro_tokens}"
+                         + (split_advice(cfg, world) if advise else ""))
     return batch_size, cfg.tokens_per_step // micro_tokens
+
+
+def split_advice(cfg, world):
+    """What would split the step, for micro_batching's error: a smaller --batch_size, another process count
+    (a 6-GPU node does not split --preset small's 1,280 sequences into pools of 80), the nearest --tokens_per_step."""
+    def splits(w=world, **change):
+        try:
+            return bool(micro_batching(replace(cfg, **change), w, advise=False))
+        except ValueError:
+            return False
+    n = cfg.tokens_per_step // (cfg.seq_len * world)  # sequences per process, if they split at all
+    divisors = {d for i in range(1, math.isqrt(n) + 1) if n % i == 0 for d in (i, n // i) if d < cfg.batch_size}
+    batch = next((b for b in sorted(divisors, reverse=True) if splits(batch_size=b)), None)
+    worlds = [w for w in range(1, 1025) if splits(w)][:8]
+    step, near = cfg.seq_len, cfg.tokens_per_step - cfg.tokens_per_step % cfg.seq_len
+    tokens = [t for candidates in (range(near, max(0, near - 2000 * step), -step),
+                                   range(near + step, near + 2001 * step, step))
+              for t in [next((t for t in candidates if t != cfg.tokens_per_step and splits(tokens_per_step=t)), None)]
+              if t]
+    advice = ([f"with --batch_size {batch}"] if batch else []) + (
+        [f"on {', '.join(map(str, worlds[:-1]))}{' or ' if worlds[1:] else ''}{worlds[-1]} processes"] if worlds else []) + (
+        [f"with --tokens_per_step {' or '.join(map(str, tokens))}"] if tokens else [])
+    return f"; it splits {'; or '.join(advice)}" if advice else ""
 
 
 def batch_note(cfg, batch_size, world):

@@ -128,6 +128,18 @@ def test_micro_batching_keeps_the_global_batch():
     assert config.micro_batching(tacl, 16) == (16, 1)
     with pytest.raises(ValueError, match="not a multiple"):
         config.micro_batching(tacl, 3)  # 65,536 tokens do not split over 3 processes
+    # a step that does not split says what would: a 6-GPU node under --preset small (1,280 sequences, pools of 80),
+    # the smoke flags on 3 processes (whose batch_size 5 is --batch_size 16 lowered), a --batch_size that divides
+    small = config.TrainConfig(**config.PRESETS["small"], objective="taco")
+    with pytest.raises(ValueError, match=r"x 6 processes = 122880; it splits on 1, 2, 4, 8 or 16 processes; or with "
+                                         r"--tokens_per_step 245760 or 368640$"):
+        config.micro_batching(small, 6)
+    with pytest.raises(ValueError, match=r"batch_size 5 \(--batch_size 16, lowered\) x seq_len 128 x 3 processes = "
+                                         r"1920; it splits on 1, 2, 4 or 8 processes; or with --tokens_per_step 1920 or"):
+        config.micro_batching(config.TrainConfig(objective="taco"), 3)
+    with pytest.raises(ValueError, match=r"= 2560; it splits with --batch_size 16; or on 3, 4, "):
+        config.micro_batching(config.TrainConfig(tokens_per_step=48 * 128, batch_size=20), 1)
+    assert config.micro_batching(config.TrainConfig(tokens_per_step=48 * 128, batch_size=16), 1) == (16, 3)
     with pytest.raises(ValueError, match="not a multiple"):  # a step shorter than one sequence: a clear error
         config.micro_batching(config.TrainConfig(tokens_per_step=64), 1)
     base = config.TrainConfig(**config.PRESETS["base"], objective="taco")  # 1,280 x 256 per step, pools of 80
