@@ -16,6 +16,7 @@ import os
 import re
 import signal
 import sys
+import threading
 from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
@@ -29,6 +30,9 @@ DDP_TIMEOUT = timedelta(minutes=15)
 # Wikipedia: those barriers run on their own gloo group with a long timeout (NCCL's default of
 # 10 min would kill the job), so the training collectives keep the short one above
 DATA_TIMEOUT = timedelta(hours=6)
+# a rendezvous still waiting after this says so, once per node: a process of another node that stopped on bad
+# input before joining (its --resume not on a shared out_dir) left this one silent for the whole DDP_TIMEOUT
+JOIN_NOTE = timedelta(minutes=1)
 
 
 @dataclass
@@ -86,13 +90,22 @@ def setup(cfg):
     if device == "cuda":
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(device)
+    at = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    note = threading.Timer(JOIN_NOTE.total_seconds(), lambda: print(
+        f"rank {rank}: waiting for all WORLD_SIZE={world} processes to join torchrun's rendezvous at {at} (one that "
+        f"stopped on an error says why on its own node); giving up after {DDP_TIMEOUT}", file=sys.stderr, flush=True))
+    note.daemon = True
+    if local_rank == 0:
+        note.start()
     try:
         dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo", timeout=DDP_TIMEOUT)
     except dist.DistError as e:  # after DDP_TIMEOUT: a process that never started, another MASTER_ADDR / MASTER_PORT
         why = str(e).strip().splitlines()[0].rstrip(".")
-        raise ValueError(f"torchrun's rendezvous at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} "
-                         f"failed ({why}): all WORLD_SIZE={world} processes must start, with the same MASTER_ADDR "
-                         f"and MASTER_PORT") from None
+        raise ValueError(f"torchrun's rendezvous at {at} failed ({why}): all WORLD_SIZE={world} processes must start, "
+                         f"with the same MASTER_ADDR and MASTER_PORT (one that stopped on an error before joining "
+                         f"says why on its own node)") from None
+    finally:
+        note.cancel()
     return Layout(ddp=True, rank=rank, world=world, device=device,
                   data_group=dist.new_group(backend="gloo", timeout=DATA_TIMEOUT),
                   stop_group=dist.new_group(backend="gloo", timeout=DDP_TIMEOUT))  # agreeing on a stop, on the CPU

@@ -229,20 +229,25 @@ def test_a_half_set_torchrun_environment_is_one_error_line(corpus, cache, tmp_pa
 
 @pytest.mark.slow
 def test_a_torchrun_process_that_never_joins_is_one_error_line(corpus, cache, tmp_path):
-    # WORLD_SIZE=2 and no second process (it never started, or has another MASTER_PORT): the rendezvous times out
-    # after DDP_TIMEOUT (here 3 s), which was torch's DistStoreError traceback
+    # WORLD_SIZE=2 and no second process (it never started, stopped on bad input, or has another MASTER_PORT): the
+    # rendezvous times out after DDP_TIMEOUT (here 3 s), which was torch's DistStoreError traceback; after JOIN_NOTE
+    # (here 1 s) it says it waits, where it was silent for the whole 15 minutes
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     script = ("import datetime, sys, distributed; distributed.DDP_TIMEOUT = datetime.timedelta(seconds=3); "
+              "distributed.JOIN_NOTE = datetime.timedelta(seconds=1); "
               "import train; train.main(sys.argv[1:])")
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(port)}
     proc = subprocess.run([sys.executable, "-c", script, *map(str, flags(corpus, cache, tmp_path / "run"))], cwd=HERE,
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and not (tmp_path / "run").exists(), proc.stderr
-    one_error(proc.stderr, f"torchrun's rendezvous at 127.0.0.1:{port} failed", "1/2 clients joined",
-              "all WORLD_SIZE=2 processes must start")
+    note, rest = proc.stderr.split("\n", 1)
+    assert note == (f"rank 0: waiting for all WORLD_SIZE=2 processes to join torchrun's rendezvous at 127.0.0.1:{port} "
+                    f"(one that stopped on an error says why on its own node); giving up after 0:00:03"), proc.stderr
+    one_error(rest, f"torchrun's rendezvous at 127.0.0.1:{port} failed", "1/2 clients joined",
+              "all WORLD_SIZE=2 processes must start", "one that stopped on an error before joining says why")
 
 
 def test_help_shows_the_chosen_preset(capsys):
