@@ -143,10 +143,10 @@ def print_plan(cfg, model, layout, dtype, grad_accum, train_loader, num_train_to
               " (the per-process micro-batch: changes with the layout; --negative_pool fixes it)"))
     blocks = cfg.tokens_per_step // cfg.seq_len  # a step's [CLS] + seq_len - 2 tokens + [SEP] blocks
     epochs = cfg.max_steps * blocks / train_loader.num_blocks
-    size = f"{num_train_tokens / 1e6:.1f}M" if num_train_tokens >= 1e6 else f"{num_train_tokens / 1e3:.0f}k"
-    print(f"this run reads the {size}-token training split {epochs:.2f} times (epochs): "
+    size = lambda n: f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.0f}k"
+    print(f"this run reads the {size(num_train_tokens)}-token training split {epochs:.2f} times (epochs): "
           f"{cfg.max_steps:,} steps x {blocks:,} blocks of {cfg.seq_len - 2} text tokens "
-          f"(+ [CLS], [SEP])")
+          f"(+ [CLS], [SEP]) = {size(cfg.max_steps * cfg.tokens_per_step)} tokens")
 
 
 def duration(seconds):

@@ -121,6 +121,18 @@ def test_help_into_a_closed_pipe_is_quiet():
     assert proc.wait(timeout=60) == 0 and "Traceback" not in err, err
 
 
+def test_the_plan_says_how_many_tokens_the_run_trains_on(capsys):
+    # a user sizing a GPU run read steps x blocks and epochs, but not the total: --preset small is 82B tokens
+    from types import SimpleNamespace
+    import monitor
+    small = config.TrainConfig(**config.PRESETS["small"], objective="mlm")
+    monitor.print_plan(small, SimpleNamespace(num_params=lambda: 29e6), SimpleNamespace(world=16, device="cuda:0"),
+                       "bf16", 1, SimpleNamespace(num_blocks=10_000_000), 2_540_000_000)
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line == ("this run reads the 2.5B-token training split 32.00 times (epochs): 250,000 steps x 1,280 blocks "
+                    "of 254 text tokens (+ [CLS], [SEP]) = 81.9B tokens"), line
+
+
 def test_micro_batching_keeps_the_global_batch():
     tacl = config.TrainConfig(**config.PRESETS["tacl"])  # 64 x 256 tokens per process, 65,536 per step
     assert config.micro_batching(tacl, 1) == (64, 4)
