@@ -74,7 +74,7 @@ class TrainConfig:
     compile: bool = True  # torch.compile the encoder and TACO's negative scoring (CUDA only)
     seed: int = 1337  # model init, data order and every random draw of the objectives
     # logging, evaluation, checkpoints
-    out_dir: str = "out/smoke"  # checkpoint, Hugging Face export, tokenizer and log.jsonl go here
+    out_dir: str = "out/smoke"  # checkpoint, Hugging Face export, tokenizer and log.jsonl go here (out/PRESET)
     log_interval: int = 10  # steps between log lines (where the loss is read back: the loop's host syncs, with saves)
     eval_interval: int = 100  # steps between held-out evaluations
     eval_batches: int = 8  # held-out batches per evaluation
@@ -94,9 +94,9 @@ PRESETS = {
                   tokens_per_step=2048, max_steps=300, lr=1e-3, warmup_steps=30, log_interval=10,
                   eval_interval=100, ckpt_interval=100, dropout=0.0),
     "small": dict(PAPER_RECIPE, model_size="small", max_steps=250_000, warmup_steps=2_500,
-                  eval_interval=2000, ckpt_interval=2000),
+                  eval_interval=2000, ckpt_interval=2000, out_dir="out/small"),
     "base": dict(PAPER_RECIPE, model_size="base", max_steps=500_000, warmup_steps=10_000,
-                 eval_interval=5000, ckpt_interval=5000),
+                 eval_interval=5000, ckpt_interval=5000, out_dir="out/base"),
     # TaCL's own recipe (official train_tacl_english.sh and train.py): continual pretraining of
     # bert-base-uncased (--init_from), 256 x 256 tokens, 150k steps, 10% warm-up, transformers' AdamW
     # defaults (eps 1e-6, no weight decay). Not reproduced: its NSP loss on sentence pairs, and its
@@ -104,7 +104,7 @@ PRESETS = {
     "tacl": dict(objective="tacl", model_size="base", seq_len=256, vocab_size=30522, tokens_per_step=256 * 256,
                  batch_size=64, max_steps=150_000, warmup_steps=15_000, lr=1e-4, beta2=0.999, adam_eps=1e-6,
                  weight_decay=0.0, grad_clip=1.0, dropout=0.1, mask_prob=0.15, data=HUB_CORPUS,
-                 log_interval=100, eval_interval=5000, eval_batches=20, ckpt_interval=5000),
+                 log_interval=100, eval_interval=5000, eval_batches=20, ckpt_interval=5000, out_dir="out/tacl"),
 }
 # where each preset value comes from, printed by --help
 _TABLE5 = "TACO Table 5"

@@ -64,6 +64,10 @@ def read_log(out_dir):
 def test_flags_presets_and_types():
     cfg, given = config.parse_args(["--max_steps", "7", "--preset=small", "--compile", "--taco_stop_grad=false"])
     assert cfg.max_steps == 7 and cfg.model_size == "small" and cfg.seq_len == 256  # preset, then flags
+    # each preset runs in its own default folder: a small run without --out_dir met the quick start's out/smoke
+    assert cfg.out_dir == "out/small" and config.parse_args(["--preset=base"])[0].out_dir == "out/base"
+    assert config.parse_args([])[0].out_dir == "out/smoke" and config.parse_args(["--preset", "tacl"])[0].out_dir == "out/tacl"
+    assert config.parse_args(["--preset=small", "--out_dir", "x"])[0].out_dir == "x"
     assert cfg.compile is True and cfg.taco_stop_grad is False and set(given) == {
         "max_steps", "preset", "compile", "taco_stop_grad"}
     assert [config.parse_args(["--compile", v])[0].compile for v in ("0", "1", "off")] == [False, True, False]
