@@ -486,14 +486,18 @@ def sentence_pair_similarity(model, tok, rows, max_len, device):
 
 def random_sentence_pairs(enc, num_pairs, seed=0):
     """COCO-LM Fig. 1's random pairs ("from the pretraining corpus"): cosine of the [CLS] and
-    mean-pooled vectors of num_pairs seeded pairs of distinct held-out sentences."""
+    mean-pooled vectors of num_pairs seeded pairs of distinct held-out sentences; every pair once where the
+    sentences make no more than num_pairs (2 sentences: 1 pair, not the same one num_pairs times)."""
     S = enc["cls"].size(0)
     if S < 2:
         return {"num_random_pairs": 0}
     rng = random.Random(seed)
-    pairs = [rng.sample(range(S), 2) for _ in range(num_pairs)]
+    if S * (S - 1) // 2 <= num_pairs:
+        pairs = [(i, j) for i in range(S) for j in range(i + 1, S)]
+    else:
+        pairs = [rng.sample(range(S), 2) for _ in range(num_pairs)]
     a, b = torch.tensor([p[0] for p in pairs]), torch.tensor([p[1] for p in pairs])
-    out = {"num_random_pairs": num_pairs}
+    out = {"num_random_pairs": len(pairs)}
     for pooling in ("cls", "mean"):
         out[f"{pooling}_random"] = F.cosine_similarity(enc[pooling][a], enc[pooling][b], dim=-1).tolist()
     return out

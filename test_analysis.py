@@ -872,8 +872,21 @@ def test_random_sentence_pairs_are_two_distinct_sentences():
     g = torch.Generator().manual_seed(0)
     enc = dict(cls=torch.randn(2, 4, generator=g), mean=torch.randn(2, 4, generator=g))
     out = A.random_sentence_pairs(enc, 50)
-    for pooling in ("cls", "mean"):  # with two sentences every pair is the two of them, never one with itself
-        assert out[f"{pooling}_random"] == pytest.approx([cos(*enc[pooling].tolist())] * 50, abs=1e-6)
+    for pooling in ("cls", "mean"):  # with two sentences the one pair is the two of them, never one with itself
+        assert out[f"{pooling}_random"] == pytest.approx([cos(*enc[pooling].tolist())], abs=1e-6)
+    # counted once: the plot's 'n=' and analysis.json said 50 (1000 by default) pairs of 2 sentences
+    assert out["num_random_pairs"] == 1
+
+
+def test_few_sentences_give_each_random_pair_once():
+    g = torch.Generator().manual_seed(0)
+    enc = dict(cls=torch.randn(10, 4, generator=g), mean=torch.randn(10, 4, generator=g))
+    out = A.random_sentence_pairs(enc, 1000)  # 10 sentences make 45 pairs: each once, not 1000 draws of them
+    assert out["num_random_pairs"] == 45 and len(out["cls_random"]) == 45
+    expected = sorted(cos(enc["mean"][i].tolist(), enc["mean"][j].tolist()) for i in range(10) for j in range(i + 1, 10))
+    assert sorted(out["mean_random"]) == pytest.approx(expected, abs=1e-6)
+    enc = dict(cls=torch.randn(50, 4, generator=g), mean=torch.randn(50, 4, generator=g))
+    assert A.random_sentence_pairs(enc, 1000)["num_random_pairs"] == 1000  # 1225 pairs: a seeded draw of 1000
 
 
 def test_analyze_model_word_scores_heatmap_and_seeds(tok):
