@@ -838,21 +838,30 @@ def plot_heatmaps(raws, sentence, path):
 
 
 def plot_sentence_similarity(raws, path):
-    """One row per model: histograms of [CLS] and mean-pooled cosine, random vs STS-B 5.0 pairs."""
+    """One row per model: histograms of [CLS] and mean-pooled cosine, random vs STS-B 5.0 pairs. Each column has
+    one cosine axis and one set of bins for every model: a model squeezed into 0.97-1 looks squeezed beside one
+    spread over 0.8-1 (COCO-LM Fig. 1's point), not alike."""
     plt = _pyplot()
     labels = list(raws)
     fig, axes = plt.subplots(len(labels), 2, figsize=(10, 2.7 * len(labels) + 0.8), squeeze=False)
+    poolings = (("cls", "[CLS]"), ("mean", "mean-pooled"))
+    column_bins = {}
+    for pooling, _ in poolings:
+        every = [v for label in labels for kind in ("random", "similar")
+                 for v in raws[label]["sentence_pairs"].get(f"{pooling}_{kind}", [])]
+        if every:
+            low, high = min(every), max(1.0, max(every))  # rounding can give 1 + 1e-7
+            column_bins[pooling] = np.linspace(min(low, high - 1e-3), high, 40)
     for row, label in enumerate(labels):
         pairs = raws[label]["sentence_pairs"]
-        for col, (pooling, name) in enumerate((("cls", "[CLS]"), ("mean", "mean-pooled"))):
+        for col, (pooling, name) in enumerate(poolings):
             ax = axes[row, col]
             rand, sim = pairs.get(f"{pooling}_random", []), pairs.get(f"{pooling}_similar", [])
-            both = rand + sim
-            if not both:
+            if not rand + sim:
                 ax.text(0.5, 0.5, "no sentence pairs", ha="center", va="center", transform=ax.transAxes)
                 continue
-            low, high = min(both), max(1.0, max(both))  # rounding can give 1 + 1e-7
-            bins = np.linspace(min(low, high - 1e-3), high, 40)
+            bins = column_bins[pooling]
+            ax.set_xlim(bins[0], bins[-1])
             # fractions, not densities: comparable heights however narrow the cosine range
             for values, color, what in ((rand, "tab:gray", "random pairs"), (sim, "tab:red", "STS-B score 5")):
                 if values:
