@@ -685,40 +685,51 @@ def run_analysis(args):
 
 
 def summary_rows(result):
-    """(statistic, value) rows of the console summary for one model's result, full names."""
+    """(statistic, value) rows of the console summary for one model's result, full names, each with the direction
+    the papers read as better where they give one; the 'n:' rows (ints) count what the rows above them rest on."""
     c, ws, sl = result["contextual"], result["wordsim353"], result["simlex999"]
     ss = result["sentence_similarity"]
-    rows = [("intra-context cosine (token vs same sentence)", c["intra"]),
+    rows = [("training step of the export (- : not this project's)", result.get("training_step")),
+            ("intra-context cosine (token vs same sentence)", c["intra"]),
             ("inter-context cosine (token vs other sentence)", c["inter"]),
-            ("contextual score = intra - inter (TACO Fig. 3b)", c["contextual"])]
+            ("contextual score = intra - inter (TACO Fig. 3b, higher: contextual)", c["contextual"])]
     rows += [(f"intra/inter {TABLE9_NAMES[m]} (Table 9, {'< 1' if m.startswith('l') else '> 1'}: contextual)",
               c[f"{m}_ratio"]) for m in TABLE9_MEASURES]
-    rows += [("isotropy: cosine of random token pairs", result["isotropy_random_pair_cos"]),
-             ("self-similarity within a sentence, last layer (TaCL)", result["self_similarity_per_layer"][-1]),
-             (f"WordSim353 {COOC_PAIRS} related pairs, embedding cosine (A.3)", ws["cooc_cos"]),
-             ("WordSim353 Spearman, embedding cosine vs human", ws["spearman"]),
-             ("SimLex-999 Spearman, embedding cosine vs human", sl["spearman"]),
-             ("sentence cosine [CLS], random pairs (COCO-LM)", ss.get("cls_random")),
-             ("sentence cosine [CLS], STS-B 5.0 minus random pairs", ss.get("cls_gap")),
-             ("sentence cosine mean-pooled, random pairs", ss.get("mean_random")),
-             ("sentence cosine mean-pooled, STS-B 5.0 minus random", ss.get("mean_gap"))]
+    rows += [("  n: tokens, each with one partner of each kind", c.get("num_tokens")),
+             ("isotropy: cosine of random token pairs (lower: more isotropic)", result["isotropy_random_pair_cos"]),
+             ("self-similarity within a sentence, last layer (TaCL, lower: tokens apart)",
+              result["self_similarity_per_layer"][-1]),
+             ("WordSim353 related pairs, embedding cosine (A.3)", ws["cooc_cos"]),
+             (f"  n: related pairs of single-token words (A.3 draws {COOC_PAIRS})", len(ws.get("cooc_pairs") or [])),
+             ("WordSim353 Spearman, embedding cosine vs human (higher: better)", ws["spearman"]),
+             (f"  n: of its {ws['pairs']} pairs, both words single tokens", ws["covered"]),
+             ("SimLex-999 Spearman, embedding cosine vs human (higher: better)", sl["spearman"]),
+             (f"  n: of its {sl['pairs']} pairs, both words single tokens", sl["covered"]),
+             ("sentence cosine [CLS], random pairs (COCO-LM, lower: more uniform)", ss.get("cls_random")),
+             ("sentence cosine [CLS], STS-B 5.0 minus random pairs (higher: apart)", ss.get("cls_gap")),
+             ("sentence cosine mean-pooled, random pairs (lower: more uniform)", ss.get("mean_random")),
+             ("sentence cosine mean-pooled, STS-B 5.0 minus random (higher: apart)", ss.get("mean_gap")),
+             ("  n: random pairs of held-out sentences", ss.get("num_random_pairs")),
+             ("  n: STS-B dev pairs scored 5.0", ss.get("num_similar_pairs"))]
     return rows
 
 
 def print_summary(results):
     """One row per statistic, one column per model (last-layer token states unless noted)."""
     labels = list(results["models"])
-    table = {label: summary_rows(r) for label, r in results["models"].items()}
+    table = {label: summary_rows({"training_step": r.get("training_step"), **r}) for label, r in results["models"].items()}
     names = [name for name, _ in table[labels[0]]]
     width = max(len(n) for n in names)
     heads = [label if len(label) <= 11 else "..." + label[-8:] for label in labels]
-    fmt = lambda v: f"{v:>12.3f}" if isinstance(v, float) and math.isfinite(v) else f"{'-':>12}"
+    fmt = lambda v: (f"{v:>12d}" if isinstance(v, int) and not isinstance(v, bool)
+                     else f"{v:>12.3f}" if isinstance(v, float) and math.isfinite(v) else f"{'-':>12}")
     print(f"{'statistic':<{width}}" + "".join(f"{h:>12}" for h in heads))
     for k, name in enumerate(names):
         print(f"{name:<{width}}" + "".join(fmt(table[label][k][1]) for label in labels))
     if any(h != label for h, label in zip(heads, labels)):
         print("models: " + ", ".join(f"{h} = {label}" for h, label in zip(heads, labels) if h != label))
-    print("- : not available (no STS-B, no covered word pairs, or a similarity ratio whose inter mean is <= 0)")
+    print(f"{results.get('num_sentences')} held-out sentences; - : not available (no STS-B, no covered word pairs, "
+          f"or a similarity ratio whose inter mean is <= 0)")
 
 
 # ----------------------------------------------------------------------------------
@@ -891,16 +902,19 @@ def plot_word_similarity(results, raws, path):
     top = fig.add_subplot(grid[0, :])
     series = {label: [r["wordsim353"]["cooc_cos"], r["wordsim353"]["mean_cos"], r["wordsim353"]["spearman"],
                       r["simlex999"]["spearman"]] for label, r in results["models"].items()}
-    _grouped_bars(top, [f"WordSim353, {COOC_PAIRS} related pairs\nmean cosine (TACO A.3)",
+    _grouped_bars(top, [f"WordSim353, related pairs\nmean cosine (TACO A.3)",
                         "WordSim353, every covered\npair: mean cosine", "WordSim353\nSpearman vs human",
                         "SimLex-999\nSpearman vs human"], series, colors)
-    top.set_title("Input word embeddings (single-token words only)", fontsize=10)
+    top.set_title("Input word embeddings (single-token words only; pairs counted below)", fontsize=10)
+    top.set_ylabel("cosine, or Spearman ρ with human scores", fontsize=8)
     top.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     for k, label in enumerate(labels):
         ax = fig.add_subplot(grid[1 + k // ncols, k % ncols])
         sim = raws[label]["wordsim353"]
         ax.scatter(sim["human"], sim["cos"], s=8, alpha=0.6, color=colors[k % len(colors)])
-        ax.set_title(_wrap(f"{label}: {sim['covered']}/{sim['pairs']} WordSim353 pairs", 50), fontsize=9)
+        ws, sl = results["models"][label]["wordsim353"], results["models"][label]["simlex999"]
+        ax.set_title(_wrap(f"{label}: {sim['covered']}/{sim['pairs']} WordSim353 pairs (shown), {sl['covered']}/"
+                           f"{sl['pairs']} SimLex-999, {len(ws['cooc_pairs'])} A.3 related", 60), fontsize=9)
         ax.set_xlabel("human score", fontsize=8)
         ax.set_ylabel("embedding cosine", fontsize=8)
         ax.grid(alpha=0.3)

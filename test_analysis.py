@@ -424,6 +424,43 @@ def test_run_analysis_five_models_writes_json_and_plots(tok, tmp_path, monkeypat
     assert "intra/inter L10 distance" in printed and "STS-B skipped" not in printed  # full names, not abbreviations
 
 
+def test_console_summary_says_which_way_is_better_and_what_each_number_rests_on(tok, tmp_path, monkeypatch, capsys):
+    # the summary gave bare numbers: no direction beside Table 9's ratios, no count of the pairs a Spearman or a
+    # sentence cosine rests on, the A.3 row called '20 related pairs' whatever the tokenizer kept, no training step
+    no_hub(monkeypatch)
+    good = tmp_path / "run"
+    tiny_bert(tok.get_vocab_size()).save_pretrained(str(good), step=12)
+    tok.save(str(good / "tokenizer.json"))
+    text = tmp_path / "t.txt"
+    text.write_text("\n".join(make_text(3, seed=1)))
+    figures = {}
+    monkeypatch.setattr(A, "_save_figure", lambda fig, path: figures.setdefault(os.path.basename(path), fig))
+    monkeypatch.setattr(A._pyplot(), "close", lambda fig: None)
+    r = A.run_analysis(SimpleNamespace(model=[str(good)], out=None, text=str(text)))["models"]["run"]
+    words = [ax.get_title() for ax in figures["analysis_word_similarity.png"].axes]  # the plot counts its pairs too
+    ws, sl = r["wordsim353"], r["simlex999"]
+    assert not any(f"{A.COOC_PAIRS} related" in t for t in words) and f"{A.COOC_PAIRS} related" not in "".join(
+        t.get_text() for t in figures["analysis_word_similarity.png"].axes[0].get_xticklabels())
+    assert f"{ws['covered']}/353 WordSim353" in words[1].replace("\n", " ")
+    assert f"{sl['covered']}/999 SimLex-999, {len(ws['cooc_pairs'])} A.3" in words[1].replace("\n", " ")
+    rows = {}
+    for line in capsys.readouterr().out.splitlines():
+        name, _, value = line.rpartition(" ")
+        rows[name.strip()] = value
+    value = lambda start: next(v for name, v in rows.items() if name.startswith(start))
+    assert value("training step") == "12"
+    assert any("contextual score" in n and "higher" in n for n in rows)
+    assert any("isotropy" in n and "lower" in n for n in rows) and any("self-similarity" in n and "lower" in n for n in rows)
+    assert all("higher" in n for n in rows if "Spearman" in n)
+    assert not any(f"{A.COOC_PAIRS} related pairs," in n for n in rows)
+    assert value("n: related pairs") == str(len(r["wordsim353"]["cooc_pairs"])) and len(r["wordsim353"]["cooc_pairs"]) < 20
+    assert value("n: of its 353 pairs") == str(r["wordsim353"]["covered"])
+    assert value("n: of its 999 pairs") == str(r["simlex999"]["covered"])
+    s = r["num_sentences"]
+    assert value("n: random pairs") == str(s * (s - 1) // 2) and value("n: STS-B") == "-"
+    assert value("n: tokens") == str(r["contextual"]["num_tokens"])
+
+
 def test_analysis_json_is_written_last(tok, tmp_path, monkeypatch):
     # a run stopped while plotting leaves no analysis.json: its presence means the whole analysis is there
     no_hub(monkeypatch)
