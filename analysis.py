@@ -673,11 +673,16 @@ def run_analysis(args):
                                         **result}
             del model
         png = lambda name: os.path.join(out, plot_file(name))  # name: one of PLOTS
-        plot_contextual(results, png("contextual"))
-        plot_self_similarity(results, png("self_similarity"))
+        # the plots name each model's step: a run still training, or runs of other lengths, side by side
+        shown = {label: label if r["training_step"] is None else f"{label} (step {r['training_step']})"
+                 for label, r in results["models"].items()}
+        plotted = {**results, "models": {shown[label]: r for label, r in results["models"].items()}}
+        raws = {shown[label]: raw for label, raw in raws.items()}
+        plot_contextual(plotted, png("contextual"))
+        plot_self_similarity(plotted, png("self_similarity"))
         plot_heatmaps(raws, heatmap_sentence, png("heatmap"))
         plot_sentence_similarity(raws, png("sentence_similarity"))
-        plot_word_similarity(results, raws, png("word_similarity"))
+        plot_word_similarity(plotted, raws, png("word_similarity"))
         _save_json(_finite(results), os.path.join(out, "analysis.json"))  # last: its presence means the whole analysis
     print_summary(results)
     print(f"wrote analysis.json and analysis_*.png to {out}")

@@ -443,6 +443,11 @@ def test_console_summary_says_which_way_is_better_and_what_each_number_rests_on(
         t.get_text() for t in figures["analysis_word_similarity.png"].axes[0].get_xticklabels())
     assert f"{ws['covered']}/353 WordSim353" in words[1].replace("\n", " ")
     assert f"{sl['covered']}/999 SimLex-999, {len(ws['cooc_pairs'])} A.3" in words[1].replace("\n", " ")
+    # every plot names the step of the export it drew (run is a train.py export of step 12)
+    for name, fig in figures.items():
+        texts = [t.get_text() for ax in fig.axes for t in [ax.title] + (ax.get_legend().get_texts() if ax.get_legend()
+                                                                        else [])] + [t.get_text() for l in fig.legends for t in l.get_texts()]
+        assert any("run (step 12)" in t.replace("\n", " ") for t in texts), (name, texts)
     rows = {}
     for line in capsys.readouterr().out.splitlines():
         name, _, value = line.rpartition(" ")
