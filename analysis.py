@@ -587,10 +587,11 @@ def plot_file(name, k=None):
     return f"analysis_{name}.png" if k is None else f"analysis_{name}.{k}.png"  # k: an earlier one set aside
 
 
-def set_aside_earlier(out, head, paths, log=print):
+def set_aside_earlier(out, head, paths, log=print, stsb=None):
     """An earlier analysis.json in `out` is replaced only by the same measurement redone (the same text,
     sentences (their sha1: an edited --text, or another version's split, has the same name and count), seed
-    and max_len, and every model it held among `paths`: reproduce.py's growing set of runs);
+    and max_len, and every model it held among `paths`: reproduce.py's growing set of runs; its STS-B pairs, if it had
+    them, measured again: `stsb` is this one's source, None where they are skipped);
     any other (another --analysis_seed, --text, model) moves aside with its plots to analysis.K.json and
     analysis_NAME.K.png: never overwritten, as eval.py's glue.json."""
     path = os.path.join(out, "analysis.json")
@@ -603,12 +604,13 @@ def set_aside_earlier(out, head, paths, log=print):
         old = None
     if (isinstance(old, dict) and all(old.get(k) == v for k, v in head.items())
             and isinstance(old.get("models"), dict)
-            and {m.get("path") if isinstance(m, dict) else None for m in old["models"].values()} <= set(paths)):
+            and {m.get("path") if isinstance(m, dict) else None for m in old["models"].values()} <= set(paths)
+            and (stsb or not old.get("stsb"))):
         return
     # the plots, then analysis.json last: a kill before it leaves the rest to move to the same k next time
     k = move_aside(out, lambda k: [(plot_file(n), plot_file(n, k)) for n in PLOTS] +
                    [("analysis.json", f"analysis.{k}.json")])
-    log(f"note: {path} was another measurement (other models, sentences, seed or --max_len): moved to "
+    log(f"note: {path} was another measurement (other models, sentences, seed, --max_len or STS-B pairs): moved to "
         f"analysis.{k}.json")
 
 
@@ -658,7 +660,7 @@ def run_analysis(args):
     # last analysis.json beside the other's plots), or one died on the other's temporary file
     with locked(out, ".analysis.lock", f"the analysis' output directory {out}"):
         set_aside_earlier(out, {k: results[k] for k in ("text", "num_sentences", "sentences_sha1", "seed", "max_len")},
-                          models)
+                          models, stsb=results["stsb"])
         raws = {}
         for label, path in zip(_labels(models), models):
             print(f"analysing {path}")

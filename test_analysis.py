@@ -816,6 +816,12 @@ def test_an_earlier_analysis_moves_aside_unless_redone(tok, tmp_path, monkeypatc
     before = (out / "analysis_contextual.2.png").stat().st_mtime_ns
     names = analyse([a], 1)
     assert "analysis.3.json" in names and (out / "analysis_contextual.2.png").stat().st_mtime_ns == before
+    # a redo without STS-B (offline, no --glue_dir) over one with its pairs: set aside, not its STS-B numbers lost
+    glue = fake_glue_dir(tmp_path / "glue")
+    A.run_analysis(SimpleNamespace(model=[a], out=str(out), text=str(text), num_sentences=20, seed=1, glue_dir=glue))
+    assert "analysis.4.json" not in os.listdir(out)  # with STS-B over one without: the same numbers and more
+    names = analyse([a], 1)
+    assert "analysis.4.json" in names and json.loads((out / "analysis.4.json").read_text())["stsb"]
 
 
 def test_an_earlier_analysis_of_other_sentences_moves_aside(tok, tmp_path, monkeypatch):
