@@ -909,7 +909,7 @@ def plot_word_similarity(results, raws, path):
     top = fig.add_subplot(grid[0, :])
     series = {label: [r["wordsim353"]["cooc_cos"], r["wordsim353"]["mean_cos"], r["wordsim353"]["spearman"],
                       r["simlex999"]["spearman"]] for label, r in results["models"].items()}
-    _grouped_bars(top, [f"WordSim353, related pairs\nmean cosine (TACO A.3)",
+    _grouped_bars(top, ["WordSim353, related pairs\nmean cosine (TACO A.3)",
                         "WordSim353, every covered\npair: mean cosine", "WordSim353\nSpearman vs human",
                         "SimLex-999\nSpearman vs human"], series, colors)
     top.set_title("Input word embeddings (single-token words only; pairs counted below)", fontsize=10)
