@@ -385,6 +385,19 @@ def hf_ratio(ours, hf):
     return ratio
 
 
+def cpu_name():
+    """The CPU's model name (/proc/cpuinfo on Linux, where platform.processor() is empty): CPU ratios depend on it
+    (the tiny MLM-vs-Hugging-Face ratio was 4.4x on one 2-core machine, 3.3-3.9x on another), and the
+    instruction set torch uses on it."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    except OSError:
+        names = []
+    name = (names[0] if names else platform.processor()) or "cpu"
+    return f"{name} ({torch.backends.cpu.get_cpu_capability()})"  # a VM's name can hide the model: AVX2, AVX512
+
+
 def write_json(path, obj):
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     write_atomic(path, json.dumps(obj, indent=1))
@@ -470,6 +483,9 @@ def main(argv=None):
         p.error(f"--dropout {args.dropout}: must be in [0, 1)")
     if args.json and os.path.isdir(args.json):
         p.error(f"--json {args.json}: a directory; name the file to write, e.g. {os.path.join(args.json, 'bench.json')}")
+    if args.json and os.path.exists(args.json) and not os.path.isfile(args.json):  # the atomic write's rename put a
+        # regular file in place of /dev/null (as root) or a FIFO
+        p.error(f"--json {args.json}: not a regular file (the JSON replaces it); leave --json out for no file")
     for flag, path in (("json", os.path.dirname(os.path.abspath(args.json)) if args.json else ""),
                        ("out_dir", args.out_dir if args.profile else "")):
         problem = path and dir_problem(path)
@@ -511,62 +527,73 @@ def main(argv=None):
 
     info = dict(command="python bench.py " + " ".join(sys.argv[1:] if argv is None else argv), torch=torch.__version__,
                 transformers=transformers.__version__ if args.hf else None,
-                device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+                device=torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
                 threads=torch.get_num_threads())
     print(json.dumps(info), flush=True)
     print(f"batch {args.batch_size} x seq {args.seq_len}, dropout {args.dropout}, gen_shape {args.gen_shape}, "
           f"compile {args.compile}, "
-          f"{'bf16 autocast' if device.type == 'cuda' else 'fp32'}, {args.warmup} warm-up + {args.steps} timed steps")
+          f"{'bf16 autocast' if device.type == 'cuda' else 'fp32'}, {args.warmup} warm-up + {args.steps} timed "
+          + ("rounds, one step of each run in turn (step ms: the median)" if args.interleave else "steps"))
+    # what a row measures: the table alone said "tokens/s" (of which tokens? which part of a step?)
+    print(f"tokens/s: all {args.batch_size} x {args.seq_len} positions, masked or not, per full training step "
+          f"(forward, backward, clip, optimizer); vs mlm: step time over our MLM's")
     print(HEADER, flush=True)
     results, ratios = [], []
-    for size in sizes:
-        # Hugging Face right after our MLM: the headline pair is measured first, back to back
-        names = list(objectives)
-        if args.hf:
-            names.insert(names.index("mlm") + 1 if "mlm" in names else len(names), "hf-mlm")
-            if args.hf_masked:
-                names.insert(names.index("hf-mlm") + 1, "hf-masked")
-        if args.ablate:
-            names += list(ABLATIONS)
-        mlm_ms = None
-        if args.interleave:
-            built, unbuilt = {}, {}
+    try:
+        for size in sizes:
+            # Hugging Face right after our MLM: the headline pair is measured first, back to back
+            names = list(objectives)
+            if args.hf:
+                names.insert(names.index("mlm") + 1 if "mlm" in names else len(names), "hf-mlm")
+                if args.hf_masked:
+                    names.insert(names.index("hf-mlm") + 1, "hf-masked")
+            if args.ablate:
+                names += list(ABLATIONS)
+            mlm_ms = None
+            if args.interleave:
+                built, unbuilt = {}, {}
+                for name in names:
+                    try:
+                        built[name] = build(name, size, args, device)
+                    except Exception as e:  # a failed row below, as without --interleave
+                        unbuilt[name] = e
+                timings = time_interleaved({name: b[0] for name, b in built.items()}, args)
             for name in names:
                 try:
-                    built[name] = build(name, size, args, device)
-                except Exception as e:  # a failed row below, as without --interleave
-                    unbuilt[name] = e
-            timings = time_interleaved({name: b[0] for name, b in built.items()}, args)
-        for name in names:
-            try:
-                if args.interleave and name in unbuilt:
-                    raise unbuilt[name]
-                run = built.pop(name) if args.interleave else build(name, size, args, device)
-                step = run[0]
-                r = summarise(name, size, args, device, run, timings[name] if args.interleave else
-                              time_steps(step, args, device))
-                mlm_ms = r["step_ms"] if name == "mlm" else mlm_ms
-                r["vs_mlm"] = r["step_ms"] / mlm_ms if mlm_ms else None
-                print(table_row(r), flush=True)
-                if args.profile and name in profiled:
-                    try:
-                        r["profile"] = profile_steps(step, args, device, f"{size} {name}")
-                    except Exception as e:  # the timing stands
-                        r["profile_error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
-                        print(f"  profile failed: {r['profile_error']}", flush=True)
-            except Exception as e:  # one run's failure (out of memory, a compile error) keeps the others' rows
-                r = dict(model_size=size, objective=name, error=f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
-                print(f"{size:6} {name:9} failed: {r['error']}", flush=True)
-            step = run = None  # frees the model before the next run is built
-            results.append(r)
-            if args.json:  # after every run, so a run cut off by a time limit keeps what it measured
-                write_json(args.json, dict(info=info, results=results, hf_ratios=ratios))
-        done = {r["objective"]: r for r in results if r["model_size"] == size and "error" not in r}
-        for hf in (h for h in HF_RUNS if "mlm" in done and h in done):
-            ratios.append(hf_ratio(done["mlm"], done[hf]))
-            print(ratios[-1]["line"], flush=True)
-            if args.json:
-                write_json(args.json, dict(info=info, results=results, hf_ratios=ratios))
+                    if args.interleave and name in unbuilt:
+                        raise unbuilt[name]
+                    run = built.pop(name) if args.interleave else build(name, size, args, device)
+                    step = run[0]
+                    r = summarise(name, size, args, device, run, timings[name] if args.interleave else
+                                  time_steps(step, args, device))
+                    mlm_ms = r["step_ms"] if name == "mlm" else mlm_ms
+                    r["vs_mlm"] = r["step_ms"] / mlm_ms if mlm_ms else None
+                    print(table_row(r), flush=True)
+                    if args.profile and name in profiled:
+                        try:
+                            r["profile"] = profile_steps(step, args, device, f"{size} {name}")
+                        except Exception as e:  # the timing stands
+                            r["profile_error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+                            print(f"  profile failed: {r['profile_error']}", flush=True)
+                except Exception as e:  # one run's failure (out of memory, a compile error) keeps the others' rows
+                    r = dict(model_size=size, objective=name,
+                             error=f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
+                    print(f"{size:6} {name:9} failed: {r['error']}", flush=True)
+                step = run = None  # frees the model before the next run is built
+                results.append(r)
+                if args.json:  # after every run, so a run cut off by a time limit keeps what it measured
+                    write_json(args.json, dict(info=info, results=results, hf_ratios=ratios))
+            done = {r["objective"]: r for r in results if r["model_size"] == size and "error" not in r}
+            for hf in (h for h in HF_RUNS if "mlm" in done and h in done):
+                ratios.append(hf_ratio(done["mlm"], done[hf]))
+                print(ratios[-1]["line"], flush=True)
+                if args.json:
+                    write_json(args.json, dict(info=info, results=results, hf_ratios=ratios))
+    except KeyboardInterrupt:  # Ctrl-C was a traceback from deep inside a step; the rows so far are on screen and in
+        # --json (rewritten after each)
+        kept = f"{args.json} holds the {len(results)} row(s) above" if args.json else "the rows above are kept"
+        print(f"interrupted; {kept if results else 'no row finished'}", file=sys.stderr)
+        sys.exit(130)
     if args.profile:  # the profiles interleaved the table: print it whole again
         print("\n" + HEADER)
         print("\n".join([table_row(r) if "error" not in r else f"{r['model_size']:6} {r['objective']:9} failed"

@@ -510,3 +510,58 @@ def test_all_in_a_list_means_every_objective_and_every_run(monkeypatch):
     results = bench.main(TINY + ["--objectives", "mlm,all", "--taco_negatives", "4", "--profile",
                                  "--profile_objectives", "all,mlm"])
     assert [r["objective"] for r in results] == list(LOSSES)  # each a failed row: nothing built, nothing timed
+
+
+def test_json_refuses_a_path_that_is_not_a_regular_file(tmp_path, capsys):
+    # was: the atomic write renamed its file over the path: as root, bench.py --json /dev/null (or /dev/full) put a
+    # regular file in place of the device; a FIFO here, which the same rename replaced
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(TINY + ["--objectives", "mlm", "--json", str(fifo)])
+    assert exit_info.value.code == 2 and fifo.is_fifo()
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: --json {fifo}: not a regular file") and "\n" not in err
+
+
+def test_ctrl_c_is_one_line_naming_the_rows_kept(tmp_path, monkeypatch, capsys):
+    # was: a KeyboardInterrupt traceback from inside a step, which said nothing of the rows --json held
+    import json
+    real, calls = bench.time_steps, []
+
+    def time_steps(*a):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a)
+    monkeypatch.setattr(bench, "time_steps", time_steps)
+    out = tmp_path / "bench.json"
+    with pytest.raises((SystemExit, KeyboardInterrupt)) as exit_info:  # (an escaped Ctrl-C would stop pytest)
+        bench.main(TINY + ["--objectives", "mlm,taco", "--taco_negatives", "4", "--json", str(out)])
+    assert exit_info.type is SystemExit and exit_info.value.code == 130
+    assert capsys.readouterr().err.strip() == f"interrupted; {out} holds the 1 row(s) above"
+    assert [r["objective"] for r in json.loads(out.read_text())["results"]] == ["mlm"]
+    calls.clear()
+    with pytest.raises((SystemExit, KeyboardInterrupt)):  # no --json: the table is what is kept
+        bench.main(TINY + ["--objectives", "taco,mlm", "--taco_negatives", "4"])
+    assert capsys.readouterr().err.strip() == "interrupted; the rows above are kept"
+    monkeypatch.setattr(bench, "time_steps", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises((SystemExit, KeyboardInterrupt)):
+        bench.main(TINY + ["--objectives", "mlm"])
+    assert capsys.readouterr().err.strip() == "interrupted; no row finished"
+
+
+def test_the_table_says_what_it_measures_and_the_json_which_cpu(tmp_path, capsys):
+    # was: a bare "tokens/s" column, and "device": "cpu" in the JSON (platform.processor() is empty on Linux), so a
+    # reader of results/bench/ could not tell which CPU gave a ratio that differs from one CPU to another
+    import json
+    out = tmp_path / "bench.json"
+    bench.main(TINY + ["--objectives", "mlm", "--json", str(out)])
+    assert ("tokens/s: all 2 x 32 positions, masked or not, per full training step (forward, backward, clip, "
+            "optimizer)") in capsys.readouterr().out
+    device = json.loads(out.read_text())["info"]["device"]
+    assert device == bench.cpu_name() and device.endswith(f"({torch.backends.cpu.get_cpu_capability()})")
+    if os.path.isfile("/proc/cpuinfo") and "model name" in open("/proc/cpuinfo").read():
+        assert not device.startswith("cpu (")
+    bench.main(TINY + ["--objectives", "mlm", "--steps", "2", "--interleave"])
+    assert "1 warm-up + 2 timed rounds, one step of each run in turn (step ms: the median)" in capsys.readouterr().out
