@@ -110,8 +110,8 @@ def cross_entropy(logits, labels):
 
 
 def accuracy(logits, labels):
-    valid = labels != -100
-    return (((logits.argmax(-1) == labels) & valid).sum() / valid.sum().clamp(min=1)).detach()
+    valid = labels != -100  # max().indices: argmax's first index, 3-4x faster on a CPU (docs/efficiency.md)
+    return (((logits.max(-1).indices == labels) & valid).sum() / valid.sum().clamp(min=1)).detach()
 
 
 def mlm_loss(model, h, input_ids, positions, labels, attention_mask=None, predict_all=False):
@@ -334,9 +334,9 @@ class TaCL(nn.Module):
 
 
 def sample_tokens(logits, rng):
-    """One draw per row from softmax(logits) (temperature 1) by Gumbel-max; integers, so no gradient."""
+    """One draw per row from softmax(logits) by Gumbel-max; integers, so no gradient (max().indices: see accuracy)."""
     u = torch.rand(logits.shape, generator=rng, device=logits.device)
-    return (upcast(logits.detach()) - torch.log(-torch.log(u))).argmax(-1)
+    return (upcast(logits.detach()) - torch.log(-torch.log(u))).max(-1).indices
 
 
 def generator_config(config, cfg):
