@@ -393,7 +393,7 @@ def cpu_name():
     (the tiny MLM-vs-Hugging-Face ratio was 4.4x on one 2-core machine, 3.3-3.9x on another), and the
     instruction set torch uses on it."""
     try:
-        with open("/proc/cpuinfo") as f:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
     except OSError:
         names = []
