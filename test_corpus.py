@@ -346,6 +346,23 @@ def test_a_file_without_a_text_field_is_named(tok_dir, tmp_path):
         data.prepare_data(str(tmp_path / "a.jsonl"), tmp_path / "cache", tokenizer=tok_dir)
 
 
+def test_a_full_disk_while_tokenizing_names_the_way_out(tok_dir, tmp_path, monkeypatch):
+    # the token file filling the disk was a bare "[Errno 28] No space left on device: '.../tokens-....bin'",
+    # where the datasets cache's full disk says to free some or move --cache_dir
+    import errno
+    path = tmp_path / "a.txt"
+    path.write_text(_wikiextractor_text())
+
+    def full(tok, parts, out, *args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(out))
+    monkeypatch.setattr(token_files, "tokenize", full)
+    with pytest.raises(OSError) as info:  # still an OSError: exit 1, as other full disks
+        _stream(tok_dir, path, tmp_path)
+    message = str(info.value)
+    assert message.startswith(f"no space left for the token cache in {tmp_path / 'cache'} (No space left on device: ")
+    assert "tokens-" in message and message.endswith("free some, or pass --cache_dir elsewhere"), message
+
+
 def test_corrupt_token_cache_is_rebuilt(tok_dir, tmp_path, capsys):
     path = tmp_path / "a.txt"
     path.write_text(_wikiextractor_text())

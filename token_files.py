@@ -282,7 +282,13 @@ class CorpusCache:
         path = tokens_file(self.cache, self.key, tok, dtype)
         with making(path, sidecar(path)):
             if not cache_ok(path):
-                tokenize(tok, self.parts(), path, dtype, sep, self.data)
+                try:
+                    tokenize(tok, self.parts(), path, dtype, sep, self.data)
+                except OSError as e:  # a full disk: the way out, as the corpus's own cache errors say it
+                    if e.errno not in corpus.FULL:
+                        raise
+                    raise OSError(f"no space left for the token cache in {self.cache} ({e.strerror}: {e.filename}): "
+                                  f"free some, or pass --cache_dir elsewhere") from None
         return np.memmap(path, dtype=dtype, mode="r")
 
 
