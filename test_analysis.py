@@ -59,8 +59,8 @@ def tiny_bert(vocab_size, seed=0):
                            max_position_embeddings=128))
 
 
-def save_model(model, tok, path):
-    model.save_pretrained(str(path))
+def save_model(model, tok, path, step=None):
+    model.save_pretrained(str(path), step=step)
     tok.save(os.path.join(str(path), "tokenizer.json"))
     return str(path)
 
@@ -429,8 +429,7 @@ def test_console_summary_says_which_way_is_better_and_what_each_number_rests_on(
     # sentence cosine rests on, the A.3 row called '20 related pairs' whatever the tokenizer kept, no training step
     no_hub(monkeypatch)
     good = tmp_path / "run"
-    tiny_bert(tok.get_vocab_size()).save_pretrained(str(good), step=12)
-    tok.save(str(good / "tokenizer.json"))
+    save_model(tiny_bert(tok.get_vocab_size()), tok, good, step=12)
     text = tmp_path / "t.txt"
     text.write_text("\n".join(make_text(3, seed=1)))
     figures = {}
@@ -484,8 +483,7 @@ def test_analysis_json_is_written_last(tok, tmp_path, monkeypatch):
 def test_every_model_is_checked_first_and_its_step_recorded(tok, tmp_path, monkeypatch, capsys):
     no_hub(monkeypatch)
     good = tmp_path / "run"
-    tiny_bert(tok.get_vocab_size()).save_pretrained(str(good), step=12)
-    tok.save(str(good / "tokenizer.json"))
+    save_model(tiny_bert(tok.get_vocab_size()), tok, good, step=12)
     text = tmp_path / "t.txt"
     text.write_text("\n".join(make_text(10)))
     (tmp_path / "notes").mkdir()  # the second --model is no checkpoint: refused before the first is analysed
