@@ -297,6 +297,7 @@ def predict(model, enc, pad_id, device, batch_size=128, bf16=False):
     return out
 
 
+ANALYSIS_FLAGS = ("analysis", "text", "num_sentences", "seed", "plot_log")  # build_parser's analysis group
 PROGRESS_S = 60  # a progress line within an epoch after this many seconds without one
 
 
@@ -550,6 +551,11 @@ def earlier_results(out, settings, tasks, log):
     return {}, {}
 
 
+def glue_args(args):
+    """The flags glue.json records: all but --analysis's own (its --analysis_seed is not a fine-tuning seed)."""
+    return {k: v for k, v in vars(args).items() if k not in ANALYSIS_FLAGS}
+
+
 def run_glue(args, log=print):
     validate_args(args)
     if isinstance(args.model, str):  # a caller's one path; the command line gives a list
@@ -644,7 +650,7 @@ def run_glue(args, log=print):
             report = dict(name=os.path.basename(os.path.normpath(model_dir)), model=args.model,
                           training_step=base.training_step, recipe=args.recipe,
                           model_size=size, protocol=protocol, seeds=seeds, runs_per_task=n_runs,
-                          runs_label=runs_label, group_by_length=args.group_by_length, args=vars(args),
+                          runs_label=runs_label, group_by_length=args.group_by_length, args=glue_args(args),
                           device=str(device), torch=torch.__version__, model_config=vars(cfg),
                           time_s=time.time() - t_all, settings=settings, tasks=results)
             values = {stat: {(t, k): v for t, r in results.items() if r["status"] == "ok" for k, v in r[stat].items()}
@@ -732,7 +738,7 @@ def build_parser():
                    "(default: any; the best run on dev predicts, as TACO's test rows)")
     g.add_argument("--save_model", action="store_true", help="keep that fine-tuned model of each task as a Hugging "
                    "Face BertForSequenceClassification directory, --out/models/TASK")
-    a = p.add_argument_group("representation analysis and training curves (analysis.py)")
+    a = p.add_argument_group("representation analysis and training curves (analysis.py)")  # ANALYSIS_FLAGS
     a.add_argument("--analysis", action="store_true", help="contextual score, self-similarity, heatmaps, "
                    "sentence and word similarity of every --model, as analysis.json and PNG plots "
                    "(STS-B pairs from --glue_dir)")

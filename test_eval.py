@@ -263,6 +263,8 @@ def test_end_to_end(tmp_path, tiny_model_dir, capsys):
     saved = json.loads((out / "glue.json").read_text())
     assert saved["seeds"] == [1, 2] and saved["recipe"] == "paper" and saved["model_size"] == "small"
     assert saved["training_step"] == 5  # which export of the run was scored
+    # its args are the fine-tuning's: --analysis_seed (dest "seed") read as the fine-tuning seed there
+    assert saved["args"]["seeds"] == "1,2" and "seed" not in saved["args"] and "num_sentences" not in saved["args"]
     tasks = saved["tasks"]
     assert set(tasks) == set(glue_tasks.TASKS)
     assert {n for n, t in tasks.items() if t["status"] == "ok"} == {"cola", "mrpc", "stsb"}
@@ -1380,3 +1382,9 @@ def test_a_diverged_run_leaves_strict_json(tmp_path, tiny_model_dir):
         raise ValueError(f"glue.json holds {constant}")
     saved = json.loads((out / "glue.json").read_text(), parse_constant=refuse)
     assert saved["tasks"]["stsb"]["runs"]["seed 1"]["history"][-1]["train_loss"] is None  # NaN, written as null
+
+
+def test_glue_json_leaves_out_exactly_the_analysis_groups_flags():
+    group = next(g for g in ev.build_parser()._action_groups if g.title.startswith("representation analysis"))
+    assert set(ev.ANALYSIS_FLAGS) == {a.dest for a in group._group_actions}
+
