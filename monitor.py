@@ -6,6 +6,8 @@ test_bench.py's FLOP tests, test_train.py's log tests):
   with Diverged before it can save NaN weights (ckpt.pt and its export keep the last good step), and all
   DDP ranks stop at the same step, and log.jsonl's last line says why; the check reads the device only at log
   steps and before saves, so the step itself never waits for the host;
+- a negative training loss (a sign flipped by an edit to losses.py: every built-in loss sums cross-entropies,
+  >= 0) is said once, on the console, at the first log step that shows it; the run goes on;
 - MFU is counted with the FLOPs the objective really computes (objective_flops_per_token).
 (The console that outlives its reader is console.py's.)
 """
@@ -33,6 +35,7 @@ class DivergenceWatch:
         self.layout, self.cfg, self.scaler, self.params = layout, cfg, scaler, params
         self.run = run  # rundir.Run: log.jsonl records the stop, and a run on edited code names its code.diff
         self.first_bad = torch.full((), NOT_YET, dtype=torch.long, device=layout.device)
+        self.negative_said = False
 
     def record(self, bad, step):
         self.first_bad.masked_fill_(bad & (self.first_bad == NOT_YET), step)
@@ -41,6 +44,12 @@ class DivergenceWatch:
         """Stop with Diverged on a non-finite loss / grad norm since the last check; before a save
         (`weights`), on non-finite weights too. All ranks check at the same step and stop together."""
         bad = first_across_ranks(self.layout, self.first_bad)
+        loss = float(metrics.get("loss", 0))  # rank 0 says it (at log steps the mean over ranks)
+        if loss < 0 and not self.negative_said and self.layout.master:
+            self.negative_said = True
+            print(f"note: loss {loss:.4g} < 0 at step {step}: every built-in objective's loss is a sum of "
+                  f"cross-entropies (>= 0); unless a term you added is negative by design, a sign in losses.py "
+                  f"flipped (python -m pytest -q test_losses.py compares it with its references)", flush=True)
         if bad == NOT_YET and weights and not torch.stack([torch.isfinite(p).all() for p in self.params]).all():
             bad = step
         scale = self.scaler.get_scale() if self.scaler.is_enabled() else None

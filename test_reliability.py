@@ -358,6 +358,26 @@ def test_a_divergence_on_edited_code_names_its_diff(corpus, cache, tmp_path, cap
         assert (hint in line) == dirty, line
 
 
+class Negated(losses.MLM):
+    """MLM with its sign flipped: the edit of an ablation gone wrong (a loss that trains to be worse)."""
+    def forward(self, model, batch, rng):
+        loss, metrics = super().forward(model, batch, rng)
+        return -loss, metrics
+
+
+def test_a_negative_loss_is_said_once_and_the_run_goes_on(corpus, cache, tmp_path, capsys, monkeypatch):
+    # a sign flipped in losses.py trained on, its loss logged below zero, with nothing said
+    monkeypatch.setitem(losses.LOSSES, "mlm", Negated)
+    code, out, err = run_main(flags(corpus, cache, tmp_path / "run", max_steps=10), capsys)
+    assert code == 0, err
+    notes = [line for line in out.splitlines() if "< 0" in line]
+    assert len(notes) == 1 and notes[0].startswith("note: loss -") and "at step 5:" in notes[0], out
+    assert "a sign in losses.py flipped (python -m pytest -q test_losses.py" in notes[0]
+    monkeypatch.setitem(losses.LOSSES, "mlm", losses.MLM)  # the real loss: no note
+    code, out, err = run_main(flags(corpus, cache, tmp_path / "run2", max_steps=10), capsys)
+    assert code == 0 and "< 0" not in out, (err, out)
+
+
 def test_a_divergence_of_an_added_objective_names_every_flag_that_moved():
     import monitor  # a copy of TACO registered as taco2 reads taco_*: which flags it reads is unknown, so all
     cfg = config.TrainConfig(objective="taco2", taco_temperature=1e-30, cocolm_copy_weight=1e30)
