@@ -1024,8 +1024,8 @@ def plot_logs(paths, out):
         ax.grid(alpha=0.3)
     for ax in axes.flat[len(keys):]:
         ax.set_axis_off()
-    labels = [l for l in logs if l in handles]
-    fig.legend([handles[l] for l in labels], labels, loc="upper center", ncol=min(len(labels), 4), frameon=False)
+    drawn = [l for l in logs if l in handles]  # not `labels`: a run with no point yet (its start line only) is in the table
+    fig.legend([handles[l] for l in drawn], drawn, loc="upper center", ncol=min(len(drawn), 4), frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / (3.4 * nrows + 0.6)))
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)  # only now: a bad log makes no folder
     _save_figure(fig, path)

@@ -639,6 +639,19 @@ def test_a_non_finite_held_out_value_is_shown_not_taken_for_missing(tmp_path):
     assert rows[2] == "| run | 0 | 9.0500 | inf | nan |"
 
 
+def test_a_run_with_no_logged_value_yet_is_a_row_not_a_crash(tmp_path):
+    # found playing the scripter: --plot_log over a run that had written its start line only (still tokenizing, or
+    # killed before its first evaluation) and another run was a KeyError: the legend's list of runs that drew a line
+    # took the name of the list that pairs each run with its log, so the rest met a run that was not in it
+    fresh = tmp_path / "fresh" / "log.jsonl"
+    fresh.parent.mkdir()
+    fresh.write_text(json.dumps(start_record()) + "\n")
+    done = write_log(tmp_path / "done" / "log.jsonl", 0)
+    A.plot_logs([str(fresh), done], str(tmp_path / "plots"))
+    rows = (tmp_path / "plots" / "training_curves.md").read_text().splitlines()
+    assert rows[2].startswith("| fresh | – |") and rows[3].startswith("| done | ")
+
+
 def test_runs_sharing_a_directory_keep_their_own_labels(tmp_path):
     # found by a fuzz of eval.py's flags: two logs in one folder (or a run dir and its ckpt.pt) got one label, and the
     # legend, the table and analysis.json kept one of the two runs without a word
