@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 import data
-from atomic import replace_atomic, write_atomic
+from atomic import replace_atomic, strict_json, write_atomic
 from config import dir_problem
 from corpus import read_text
 from glue_tasks import TASKS, load_hub, read_tsv
@@ -522,16 +522,6 @@ def _mean(values):
     return sum(values) / len(values) if values else None
 
 
-def _finite(obj):
-    """NaN or +-inf -> None, so analysis.json (and eval.py's glue.json) stays strict JSON (a one-sentence
-    context has no score; a diverged fine-tuning run has no finite train loss)."""
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_finite(v) for v in obj]
-    return None if isinstance(obj, float) and not math.isfinite(obj) else obj
-
-
 @torch.no_grad()
 def analyze_model(model, tok, sentences, max_len, device, seed, stsb_rows, heatmap_sentence):
     """All numbers for one model (a JSON-ready dict) and the raw values the plots need.
@@ -572,7 +562,7 @@ def analyze_model(model, tok, sentences, max_len, device, seed, stsb_rows, heatm
 def _save_json(obj, path):
     def write(tmp):
         with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=2)
+            f.write(strict_json(obj, indent=2))  # a NaN (a one-sentence context has no score) is null
     replace_atomic(path, write)
 
 
@@ -685,7 +675,7 @@ def run_analysis(args):
         plot_heatmaps(raws, heatmap_sentence, png("heatmap"))
         plot_sentence_similarity(raws, png("sentence_similarity"))
         plot_word_similarity(plotted, raws, png("word_similarity"))
-        _save_json(_finite(results), os.path.join(out, "analysis.json"))  # last: its presence means the whole analysis
+        _save_json(results, os.path.join(out, "analysis.json"))  # last: its presence means the whole analysis
     print_summary(results)
     print(f"wrote analysis.json and analysis_*.png to {out}")
     return results
@@ -934,10 +924,14 @@ def plot_word_similarity(results, raws, path):
 # Training curves of several runs
 
 
+NON_FINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}  # log.jsonl's `non_finite` names
+
+
 def read_log(path, finite=True):
     """{key: (steps, values)} of every numeric key in a log.jsonl; the first line (config)
     and unparsable lines (a run killed mid-write) are skipped; a resumed run's repeated
-    steps keep the latest value. finite=False keeps inf and NaN values (a diverged held-out loss)."""
+    steps keep the latest value. finite=False keeps inf and NaN values (a diverged held-out loss: null in
+    log.jsonl, named in its line's `non_finite`; bare NaN / Infinity in a log of an earlier version)."""
     series = {}
     for line in read_text(path).splitlines():  # not UTF-8: one error naming file and line
         try:
@@ -946,7 +940,9 @@ def read_log(path, finite=True):
             continue
         if not isinstance(record, dict) or type(record.get("step")) is not int:
             continue
+        named = record.get("non_finite") if isinstance(record.get("non_finite"), dict) else {}
         for key, value in record.items():
+            value = NON_FINITE.get(named.get(key)) if value is None and isinstance(named.get(key), str) else value
             if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool) \
                     and (math.isfinite(value) or not finite):
                 series.setdefault(key, {})[record["step"]] = value

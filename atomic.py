@@ -11,8 +11,12 @@ for their writers):
 - a file appears whole under its name: written to a temporary file, fsynced, then os.replace'd, so neither a
   kill nor a power cut (the data is on disk before the rename) leaves a partial or empty file there;
 - a write that fails (a full disk, an exception, Ctrl-C) removes its temporary file before the error goes on (a
-  kill's is removed by the next run), and an OSError that names no file names `path`.
+  kill's is removed by the next run), and an OSError that names no file names `path`;
+- the JSON written through strict_json is strict (RFC 8259): a NaN or +-inf float, which Python's json writes as a
+  bare NaN / Infinity that jq, JavaScript's JSON.parse and most readers refuse, is written as null.
 """
+import json
+import math
 import os
 from pathlib import Path
 
@@ -36,3 +40,17 @@ def replace_atomic(path, write, tmp=None):
 def write_atomic(path, text, tmp=None):
     """Text, as UTF-8, through replace_atomic."""
     replace_atomic(path, lambda name: Path(name).write_text(text, encoding="utf-8"), tmp)
+
+
+def finite_or_null(obj):
+    """NaN or +-inf -> None, in nested dicts and lists (a one-sentence context has no score, a diverged run no loss)."""
+    if isinstance(obj, dict):
+        return {k: finite_or_null(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_or_null(v) for v in obj]
+    return None if isinstance(obj, float) and not math.isfinite(obj) else obj
+
+
+def strict_json(obj, **kwargs):
+    """json.dumps, strict: each non-finite float written as null."""
+    return json.dumps(finite_or_null(obj), allow_nan=False, **kwargs)

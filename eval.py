@@ -47,7 +47,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import analysis
-from atomic import write_atomic
+from atomic import strict_json, write_atomic
 from config import Parser, dir_problem
 from console import Console
 from data import load_tokenizer, special_token_ids
@@ -664,7 +664,7 @@ def run_glue(args, log=print):
             table = glue_table(report, compare=args.compare)
             os.makedirs(out, exist_ok=True)
             # strict JSON: a diverged run's train loss is NaN, which json.dumps writes bare and other readers refuse
-            write_atomic(os.path.join(out, "glue.json"), json.dumps(analysis._finite(report), indent=2))
+            write_atomic(os.path.join(out, "glue.json"), strict_json(report, indent=2))
             write_atomic(os.path.join(out, "glue.md"), table + "\n")
             return report, table
 

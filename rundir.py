@@ -17,6 +17,7 @@ It guarantees (test_reliability.py and test_train.py hold it to each):
 """
 import hashlib
 import json
+import math
 import os
 import re
 import socket
@@ -32,7 +33,7 @@ from safetensors import SafetensorError
 import data
 import distributed
 import token_files
-from atomic import replace_atomic, write_atomic
+from atomic import replace_atomic, strict_json, write_atomic
 from config import RankError, TrainConfig, data_path, init_dir, parse_args, pooled, unread_flags, validate
 from hf_io import load_checkpoint_file, load_safetensors, still_training
 from model import Bert, BertConfig
@@ -595,9 +596,12 @@ class Run:
             print(f"rewrote the Hugging Face export in {cfg.out_dir} from ckpt.pt (step {step})")
 
     def log(self, record):
+        """One strict-JSON line: a non-finite value (a held-out loss of NaN weights) is null, and `non_finite`
+        says which it was ({"val_tc_loss": "inf"}), so --plot_log's table still shows inf or nan."""
+        bad = {k: repr(v) for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)}
         if self.log_file:
             with self.failing_write(f"write {self.log_file.name}"):
-                self.log_file.write(json.dumps(record) + "\n")
+                self.log_file.write(strict_json({**record, "non_finite": bad} if bad else record) + "\n")
                 self.log_file.flush()
 
     @contextmanager

@@ -329,6 +329,30 @@ def test_a_diverged_run_says_so_in_its_log_and_in_the_comparison(corpus, cache, 
     assert analysis.diverged_at(log) is None
 
 
+def strict_loads(text):
+    """json.loads as jq, JavaScript's JSON.parse and RFC 8259 read: a bare NaN or Infinity is an error."""
+    return json.loads(text, parse_constant=lambda c: pytest.fail(f"not strict JSON: {c} in {text[:200]}"))
+
+
+def test_a_non_finite_held_out_value_is_strict_json_in_log_jsonl(corpus, cache, tmp_path, capsys, monkeypatch):
+    # found playing the scripter: the held-out evaluation at step 3 ran on the NaN weights of a run that diverged at
+    # step 3 (the check comes at the step-5 log line), and log.jsonl got "val_mlm_loss": NaN, which Python's json
+    # writes bare and jq (1.6 reads it as null, Infinity as 1.8e308), JSON.parse and pandas' strict readers refuse
+    import analysis
+    monkeypatch.setitem(losses.LOSSES, "mlm", NaNAfter)
+    monkeypatch.setattr(NaNAfter, "after", 2)
+    monkeypatch.setattr(NaNAfter, "calls", 0)
+    out_dir = tmp_path / "run"
+    code, _, err = run_main(flags(corpus, cache, out_dir, max_steps=30, eval_interval=3), capsys)
+    assert code == 1 and "non-finite loss" in err
+    records = [strict_loads(line) for line in (out_dir / "log.jsonl").read_text().splitlines()]
+    held_out = [r for r in records if r.get("step") == 3][0]
+    assert held_out["val_mlm_loss"] is None and held_out["non_finite"]["val_mlm_loss"] == "nan"
+    assert "non_finite" not in records[1] and records[-1]["step"] == 5 and "diverged" in records[-1]
+    analysis.plot_logs([str(out_dir / "log.jsonl")], str(tmp_path / "plots"))  # the table still says nan, not "–"
+    assert "| run (diverged at step 5) | 3 | nan |" in (tmp_path / "plots" / "training_curves.md").read_text()
+
+
 def test_a_divergence_names_the_loss_scaling_flags_that_moved(corpus, cache, tmp_path, capsys):
     code, _, err = run_main(flags(corpus, cache, tmp_path / "run", objective="taco", taco_negatives=8,
                                   taco_temperature=1e-30, log_interval=1), capsys)
