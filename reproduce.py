@@ -40,7 +40,7 @@ import time
 import uuid
 
 import corpus  # standard library only at import: this file runs before the wheels are installed
-from atomic import replace_atomic, write_atomic
+from atomic import replace_atomic, strict_json, write_atomic
 from console import Console
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -141,8 +141,9 @@ def read_log(path):
                 continue  # not a record of ours (an edited or corrupt log)
             if isinstance(rec.get("config"), dict):
                 header = rec
-            elif type(rec.get("step")) is int:  # train.py logs numbers: a value of another type is a missing cell
-                numbers = {k: v for k, v in rec.items() if type(v) in (int, float)}
+            elif type(rec.get("step")) is int:  # train.py logs numbers: a value of another type is a missing cell,
+                # and so is a non-finite one (null since train.py writes strict JSON; a bare NaN before)
+                numbers = {k: v for k, v in rec.items() if type(v) in (int, float) and math.isfinite(v)}
                 (train if "loss" in rec else evals)[rec["step"]] = numbers
     return header, [train[s] for s in sorted(train)], [evals[s] for s in sorted(evals)]
 
@@ -375,8 +376,8 @@ def try_lock(path):
     return f
 
 
-def save_json(obj, path):
-    write_atomic(path, json.dumps(obj, indent=2))
+def save_json(obj, path):  # strict: a NaN (a log.jsonl of an earlier version held bare NaN) is written as null
+    write_atomic(path, strict_json(obj, indent=2))
 
 
 def note_time(run_dir, stage, seconds):

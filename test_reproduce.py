@@ -361,6 +361,23 @@ def test_sigterm_reaches_the_training_run_and_a_rerun_goes_on(tmp_path):
     assert rerun.returncode == 0 and f"resumed from step {saved}" in rerun.stdout, rerun.stdout[-2000:] + rerun.stderr
 
 
+def test_results_json_is_strict_json_when_a_log_holds_a_nan(tmp_path):
+    # found playing the scripter: a log.jsonl of an earlier train.py holds a diverged held-out loss as a bare NaN;
+    # results.json copied it into `final` and `curves`, and jq, JSON.parse and strict parsers refused the file
+    run = tmp_path / "mlm"
+    run.mkdir()
+    (run / "log.jsonl").write_text('{"config": {"objective": "mlm"}}\n{"step": 5, "val_mlm_loss": 7.0}\n'
+                                   '{"step": 10, "val_mlm_loss": NaN, "val_mlm_acc": 0.0, "contextual_score": Infinity}\n'
+                                   '{"step": 15, "val_mlm_loss": null, "val_mlm_acc": 0.0, "non_finite": {"val_mlm_loss": "nan"}}\n')
+    args = reproduce.argparse.Namespace(scale="toy", data="", seed=1, tasks="cola", seeds="1", out_dir=str(tmp_path),
+                                        steps=20, extra_steps=10)
+    results = reproduce.collect(args, ["mlm"])
+    assert results["runs"]["mlm"]["curves"][1:] == [{"step": 10, "val_mlm_acc": 0.0}, {"step": 15, "val_mlm_acc": 0.0}]
+    reproduce.save_json({**results, "extra": [float("inf"), {"x": float("-inf")}]}, str(tmp_path / "results.json"))
+    saved = json.loads((tmp_path / "results.json").read_text(), parse_constant=lambda c: pytest.fail(c))
+    assert saved["extra"] == [None, {"x": None}] and saved["runs"]["mlm"]["final"] == {"val_mlm_acc": 0.0}
+
+
 def test_corrupt_outputs_are_missing_cells_not_crashes(tmp_path):
     run = tmp_path / "mlm"
     run.mkdir()
