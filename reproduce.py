@@ -126,11 +126,12 @@ OWN_AUC = {"cocolm": "val_copy_auc", "electra": "val_disc_auc"}
 
 
 def read_log(path):
-    """log.jsonl -> (header, train records, eval records). A resumed run repeats the steps after
-    its last checkpoint and a restarted one repeats the header: the last record of a step wins."""
-    header, train, evals = {}, {}, {}
+    """log.jsonl -> (header, train records, eval records, the step it diverged at or None). A resumed run
+    repeats the steps after its last checkpoint and a restarted one repeats the header: the last record of a step
+    wins. A divergence line (train.py's last, {step, diverged}) is no eval record; a line after it, a resume."""
+    header, train, evals, diverged = {}, {}, {}, None
     if not os.path.isfile(path):
-        return header, [], []
+        return header, [], [], None
     with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
             try:
@@ -139,13 +140,16 @@ def read_log(path):
                 continue  # a line cut short by a kill
             if not isinstance(rec, dict):
                 continue  # not a record of ours (an edited or corrupt log)
+            diverged = None  # this line follows any divergence: a resume went on
             if isinstance(rec.get("config"), dict):
                 header = rec
+            elif type(rec.get("step")) is int and "diverged" in rec:
+                diverged = rec["step"]
             elif type(rec.get("step")) is int:  # train.py logs numbers: a value of another type is a missing cell,
                 # and so is a non-finite one (null since train.py writes strict JSON; a bare NaN before)
                 numbers = {k: v for k, v in rec.items() if type(v) in (int, float) and math.isfinite(v)}
                 (train if "loss" in rec else evals)[rec["step"]] = numbers
-    return header, [train[s] for s in sorted(train)], [evals[s] for s in sorted(evals)]
+    return header, [train[s] for s in sorted(train)], [evals[s] for s in sorted(evals)], diverged
 
 
 def wall_clock(train_records):
@@ -621,7 +625,7 @@ def collect(args, runs):
     analysis = read_json(os.path.join(args.out_dir, "analysis", "analysis.json")) or {}
     for name in runs:
         run_dir = os.path.join(args.out_dir, name)
-        header, train, evals = read_log(os.path.join(run_dir, "log.jsonl"))
+        header, train, evals, diverged = read_log(os.path.join(run_dir, "log.jsonl"))
         if not header and not evals:
             continue
         config = header.get("config", {})
@@ -631,6 +635,7 @@ def collect(args, runs):
         # GLUE and the analysis count only if made from the export at hand, and wait for the run to finish
         step = r["exported_step"] = export_step(run_dir)
         r["finished"] = run_finished(run_dir, steps_of(args, name))
+        r["diverged_at"] = diverged  # the step train.py stopped at on a non-finite loss, until a resume goes on
         r["train_wall_s"] = wall_clock(train)
         r["tokens_per_s"] = median([t.get("tokens_per_s") for t in train[1:] or train])  # first interval compiles
         r["process_s"] = read_json(os.path.join(run_dir, "reproduce_time.json"))
@@ -784,7 +789,8 @@ def markdown(results, pngs, level=1, folder=""):
     tasks = results["tasks"]
     recipes = results.get("recipes") or ["paper"]
     h = lambda depth: "#" * (level + depth - 1) + " "
-    label = {name: name + " (unfinished)" * (not r.get("finished", True)) for name, r in runs.items()}
+    label = {name: name + (f" (diverged at step {r['diverged_at']})" if r.get("diverged_at") is not None else
+                           " (unfinished)" * (not r.get("finished", True))) for name, r in runs.items()}
     metrics = ", ".join(f"{GLUE_DIRS[t]} {METRIC_NAMES[PRIMARY[t]]}" for t in tasks)
     capped = f", train sets capped at {results['glue_train_rows']:,} rows" if results.get("glue_train_rows") else ""
     shows = SCALES.get(results["scale"], {}).get("shows")
@@ -795,7 +801,10 @@ def markdown(results, pngs, level=1, folder=""):
              f"over the k tasks scored only. \"c\": some fine-tuning runs predicted one class only "
              f"(eval.py's \"collapsed\"; results.json counts them).", "",
              *(["\"(unfinished)\": the run has not reached its steps (the same command goes on); its GLUE and "
-                "analysis wait for it.", ""] if label != {name: name for name in runs} else [])]
+                "analysis wait for it.", ""] if any("(unfinished)" in v for v in label.values()) else []),
+             *(["\"(diverged at step N)\": train.py stopped it on a non-finite loss (its log.jsonl's last line says "
+                "why; its numbers are those before): retry it with a lower --lr, as that line says.", ""]
+               if any("(diverged" in v for v in label.values()) else [])]
     for recipe in recipes:
         title = "GLUE" if recipes == ["paper"] else f"GLUE, recipe `{recipe}` ({RECIPES.get(recipe, '')})"
         lines += [f"{h(2)}{title}", "", *table_head("run", "steps", *tasks, "Avg"),

@@ -137,8 +137,8 @@ def test_read_log_resumed_run(tmp_path):
                {"step": 30, "loss": 6.0, "elapsed_s": 13.0, "tokens_per_s": 120.0},
                {"step": 30, "val_mlm_loss": 6.5}]
     path.write_text("\n".join(json.dumps(r) for r in records) + '\n{"step": 40, "lo')  # a line cut by a kill
-    header, train, evals = reproduce.read_log(str(path))
-    assert header["provenance"] == {"commit": "abc"}
+    header, train, evals, diverged = reproduce.read_log(str(path))
+    assert header["provenance"] == {"commit": "abc"} and diverged is None
     assert [t["step"] for t in train] == [10, 20, 30] and train[1]["loss"] == 7.1
     assert [e["step"] for e in evals] == [0, 30]
     assert reproduce.wall_clock(train) == 13.0  # the 5 s from the checkpoint to the kill are not counted
@@ -376,6 +376,24 @@ def test_results_json_is_strict_json_when_a_log_holds_a_nan(tmp_path):
     reproduce.save_json({**results, "extra": [float("inf"), {"x": float("-inf")}]}, str(tmp_path / "results.json"))
     saved = json.loads((tmp_path / "results.json").read_text(), parse_constant=lambda c: pytest.fail(c))
     assert saved["extra"] == [None, {"x": None}] and saved["runs"]["mlm"]["final"] == {"val_mlm_acc": 0.0}
+
+
+def test_a_diverged_run_is_marked_with_its_last_held_out_numbers(tmp_path):
+    # train.py's divergence line ({step, diverged}) was read as a held-out record: the run's `final` was empty, its
+    # steps the divergence's, and results.md called it "(unfinished)", for which "the same command goes on"
+    run = tmp_path / "mlm"
+    run.mkdir()
+    lines = ['{"config": {"objective": "mlm"}}', '{"step": 10, "loss": 7.0, "elapsed_s": 1.0}',
+             '{"step": 10, "val_mlm_loss": 7.5}', '{"step": 15, "diverged": "non-finite loss or gradient norm ..."}']
+    (run / "log.jsonl").write_text("\n".join(lines) + "\n")
+    args = reproduce.argparse.Namespace(scale="toy", data="", seed=1, tasks="cola", seeds="1", out_dir=str(tmp_path),
+                                        steps=20, extra_steps=10)
+    r = reproduce.collect(args, ["mlm"])["runs"]["mlm"]
+    assert r["diverged_at"] == 15 and r["final"] == {"val_mlm_loss": 7.5} and r["steps"] == 10
+    text = reproduce.markdown(reproduce.collect(args, ["mlm"]), [])
+    assert "mlm (diverged at step 15)" in text and "(unfinished)" not in text and "lower --lr" in text
+    (run / "log.jsonl").write_text("\n".join(lines + ['{"step": 11, "loss": 7.0}']) + "\n")  # resumed: goes on
+    assert reproduce.collect(args, ["mlm"])["runs"]["mlm"]["diverged_at"] is None
 
 
 def test_corrupt_outputs_are_missing_cells_not_crashes(tmp_path):
