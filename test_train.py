@@ -176,6 +176,22 @@ def test_micro_batching_keeps_the_global_batch():
         config.micro_batching(config.TrainConfig(objective="taco", seq_len=32, tokens_per_step=128), 2)
 
 
+def test_an_added_objective_that_trains_the_mlm_head_is_told_when_init_from_has_none(corpus, tmp_path, monkeypatch,
+                                                                                       capsys):
+    # the note followed a list of names (mlm, taco, tacl): an objective added to LOSSES trains the head from an
+    # ELECTRA run's export (a BertModel) without a word. Now the built objective says it (its head needs a gradient)
+    import losses
+    monkeypatch.setitem(losses.LOSSES, "half_mlm", type("Halved", (losses.MLM,), {}))
+    short = dict(max_steps=1, warmup_steps=0, log_interval=1, eval_interval=1, eval_batches=1, ckpt_interval=1,
+                 device="cpu")
+    train.main(common(corpus, tmp_path, out="electra", objective="electra", **short))
+    capsys.readouterr()
+    note = "has no MLM head that its run trained"
+    for objective, told in (("half_mlm", True), ("mlm", True), ("cocolm", False)):  # COCO-LM never trains it
+        train.main(common(corpus, tmp_path, out=objective, objective=objective, init_from=tmp_path / "electra", **short))
+        assert (note in capsys.readouterr().out) is told, objective
+
+
 def test_an_objective_added_by_copying_taco_keeps_its_pool_rules(monkeypatch):
     # the pool rules follow the class (uses_negative_pool), not a list of names: an ablation's copy keeps them
     import losses
