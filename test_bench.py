@@ -24,8 +24,10 @@ def test_bench_runs_every_objective_on_cpu(tmp_path, capsys):
     out = tmp_path / "bench.json"
     results = bench.main(TINY + ["--taco_negatives", "4", "--loader", "--json", str(out)])
     assert [r["objective"] for r in results] == list(LOSSES)
-    for r in results:
-        assert r["tokens_per_s"] > 0 and r["step_ms"] > 0 and r["model_tflops"] > 0
+    for r in results:  # an objective added to LOSSES runs too, with no FLOPs until monitor.py counts them (README)
+        counted = r["objective"] in ("mlm", "taco", "tacl", "cocolm", "electra")
+        assert r["tokens_per_s"] > 0 and r["step_ms"] > 0 and (r["model_tflops"] > 0 if counted else
+                                                              r["model_tflops"] is None), r
         assert r["mfu"] is None and r["peak_mem_gb"] is None  # CPU: no GPU peak to divide by, no CUDA memory
     assert results[0]["vs_mlm"] == 1.0
     table = capsys.readouterr().out
