@@ -444,14 +444,14 @@ def start_weights(cfg, master):
     return init_model
 
 
-def fresh_head_note(cfg, init_model, model):
-    """The note that --init_from's MLM head was never trained, where this run's objective trains that head, else None.
+def note_fresh_head(cfg, init_model, model, master):
+    """Says (rank 0) that --init_from's MLM head was never trained, where this run's objective trains that head.
     Asked once the objective is built: the head trains when its parameters still need a gradient (MLM, TACO, TaCL,
     an objective added to losses.LOSSES; ELECTRA and COCO-LM switch it off), the rule of Run.trains_head."""
-    if init_model is not None and init_model.fresh_head and any(p.requires_grad for p in model.head.parameters()):
-        return (f"note: {cfg.init_from} has no MLM head that its run trained (a BertModel, or an ELECTRA / COCO-LM "
-                f"run): the head starts untrained or stale")
-    return None
+    if master and init_model is not None and init_model.fresh_head and any(
+            p.requires_grad for p in model.head.parameters()):
+        print(f"note: {cfg.init_from} has no MLM head that its run trained (a BertModel, or an ELECTRA / COCO-LM "
+              f"run): the head starts untrained or stale")
 
 
 def load_start_weights(model, init_model, ckpt):

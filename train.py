@@ -141,9 +141,7 @@ def train(cfg, ckpt=None):
     rundir.load_start_weights(model, init_model, ckpt)  # --init_from's weights (a resume's come in run.restore)
     model.to(device)
     objective = LOSSES[cfg.objective](model, cfg).to(device)
-    head_note = rundir.fresh_head_note(cfg, init_model, model)  # built, the objective has said if the head trains
-    if head_note and master:
-        print(head_note)
+    rundir.note_fresh_head(cfg, init_model, model, master)  # --init_from's head untrained, where this one trains it
     params = list(model.parameters()) + [p for p in objective.parameters() if p.requires_grad]
     optimizer = configure_optimizer(params, cfg, layout.device_type)
     dtype, autocast, scaler = distributed.precision(cfg, layout)  # bf16 autocast on GPUs, fp32 on a CPU
