@@ -31,7 +31,7 @@ class TrainConfig:
     preset: str = "smoke"  # smoke (tiny, CPU) | small | base | tacl (TaCL's, needs --init_from): sets the defaults below, flags override
     model_size: str = "tiny"  # model.MODEL_PRESETS: tiny | small (TACO's BERT-small) | base
     init_from: str = ""  # start from these weights: a run dir, a ckpt.pt, or a Hugging Face BERT dir
-    resume: str = ""  # continue a run exactly: its out_dir or ckpt.pt
+    resume: str = ""  # continue a run exactly: its out_dir or ckpt.pt; auto: --out_dir's run if it saved one, else a new run
     # data
     data: str = DEFAULT_DATA  # a local file / dir / glob, or a datasets hub name ("name:config"); smoke: the sample in assets/
     tokenizer: str = ""  # tokenizer.json, vocab.txt, a dir with them or a hub name (bert-base-uncased); empty = the init_from dir's, else train one

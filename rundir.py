@@ -59,6 +59,11 @@ def run_main(train, argv, usage):
             raise ValueError(f"--model_size {cfg.model_size}: with --init_from the model is the checkpoint's own; "
                              f"drop --model_size")
         ckpt = None
+        if cfg.resume == "auto":  # one command for a requeued job (or torchrun --max_restarts): start, or go on
+            saved = os.path.isfile(os.path.join(cfg.out_dir, "ckpt.pt"))
+            cfg.resume = given["resume"] = cfg.out_dir if saved else ""
+            if not saved and rank == 0:
+                print(f"--resume auto: no ckpt.pt in {cfg.out_dir}, so a new run")
         if cfg.resume:
             cfg, ckpt = resume_config(cfg, given)
         validate(cfg)
@@ -338,30 +343,38 @@ def code_fingerprint():
 NODE_FLAGS = ("data", "tokenizer", "cache_dir", "out_dir", "resume", "init_from", "device", "compile")
 
 
-def same_on_every_rank(cfg, layout, fingerprint=None):
+def same_on_every_rank(cfg, layout, fingerprint=None, ckpt=None):
     """Every node runs the same code (an ablation's edit on one node would mix two objectives in one run) with
-    the same flags but NODE_FLAGS (a node launched with its own --lr trained its replica with it, silently) and,
-    with its own copy of --data or its own --cache_dir, has read the same tokens (`fingerprint`: checked once
-    the data is read; train.py checks code and flags before): else every rank raises, and rank 0 and each other
-    node's first process say why."""
+    the same flags but NODE_FLAGS (a node launched with its own --lr trained its replica with it, silently),
+    goes on from the same checkpoint step (`ckpt`: a node whose --out_dir is not the shared one would resume
+    another step, or start anew under --resume auto) and, with its own copy of --data or its own --cache_dir,
+    has read the same tokens (`fingerprint`: checked once the data is read; train.py checks code, flags and
+    step before): else every rank raises, and rank 0 and each other node's first process say why."""
     code = code_fingerprint()
     flags = {k: v for k, v in asdict(cfg).items() if k not in NODE_FLAGS}
-    ranks = distributed.every_rank(layout, (code, flags, fingerprint))
-    others = {r: c for r, (c, _, _) in enumerate(ranks) if c != code}
+    step = ckpt["step"] if ckpt else None
+    ranks = distributed.every_rank(layout, (code, flags, fingerprint, step))
+    others = {r: s for r, (_, _, _, s) in enumerate(ranks) if s != step}
+    if others:
+        say = lambda s: f"step {s}" if s is not None else "a new run"
+        raise ValueError(f"rank(s) {', '.join(map(str, others))} start from {say(others[min(others)])} (rank "
+                         f"{min(others)}), rank {layout.rank} from {say(step)}: every node must see the same "
+                         f"--out_dir {cfg.out_dir} and its ckpt.pt (a filesystem they share)")
+    others = {r: c for r, (c, _, _, _) in enumerate(ranks) if c != code}
     if others:
         theirs = others[min(others)]
         differ = sorted(name for name in code.keys() | theirs.keys() if code.get(name) != theirs.get(name))
         raise ValueError(f"rank(s) {', '.join(map(str, others))} run other code than rank {layout.rank} "
                          f"(on rank {min(others)}, other {', '.join(differ)}): every node needs the same "
                          f"checkout of this project and the same torch")
-    others = {r: f for r, (_, f, _) in enumerate(ranks) if f != flags}
+    others = {r: f for r, (_, f, _, _) in enumerate(ranks) if f != flags}
     if others:
         theirs = others[min(others)]
         differ = [f"--{k} {theirs[k]} (here {v})" for k, v in flags.items() if theirs.get(k) != v]
         raise ValueError(f"rank(s) {', '.join(map(str, others))} run with other flags than rank {layout.rank} "
                          f"(on rank {min(others)}: {', '.join(differ)}): every node needs the same train.py flags "
                          f"(but its own paths: --{', --'.join(NODE_FLAGS[:6])})")
-    others = {r: f for r, (_, _, f) in enumerate(ranks) if f != fingerprint}
+    others = {r: f for r, (_, _, f, _) in enumerate(ranks) if f != fingerprint}
     if others:
         raise ValueError(f"--data {cfg.data}: rank(s) {', '.join(map(str, others))} read other data than rank "
                          f"{layout.rank} ({fingerprint}; rank {min(others)}: {others[min(others)]}): every node "
@@ -512,7 +525,7 @@ class Run:
             raise ValueError(f"--resume {cfg.out_dir}: --data {cfg.data} is not the data this run was trained on "
                              f"(then {ckpt['data']}, now {fingerprint}): the files were edited, replaced or moved, or the run's "
                              f"tokenizer files in {cfg.out_dir} were (they make the tokens)")
-        same_on_every_rank(cfg, layout, fingerprint)
+        same_on_every_rank(cfg, layout, fingerprint, ckpt)
         self.cfg, self.layout, self.ckpt, self.fingerprint = cfg, layout, ckpt, fingerprint
         self.saved_step, self.log_file, self.diff_name, self.code_changed = 0, None, "code.diff", []
         self.local_changes = None  # rank 0: the path of this segment's code diff, where the code had local changes

@@ -859,6 +859,35 @@ def test_resume_of_a_missing_path_and_of_a_run_with_no_checkpoint_say_which(tmp_
     one_error(err, "no ckpt.pt to resume", f"--init_from {tmp_path / 'early'}")
 
 
+def test_resume_auto_is_one_command_that_starts_a_run_and_goes_on_after_a_kill(corpus, cache, tmp_path, capsys,
+                                                                              monkeypatch):
+    # a requeued cluster job (or torchrun --max_restarts) repeats its command: without --resume the repeat was refused
+    # ("already holds a run"), with --resume DIR the first start was ("no such run directory")
+    code, _, err = run_main(flags(corpus, cache, tmp_path / "whole"), capsys)
+    assert code == 0, err
+    command = flags(corpus, cache, tmp_path / "auto") + ["--resume", "auto"]
+    real_save = rundir.Run.save
+
+    def killed_after_step_10(self, step, elapsed_s):
+        real_save(self, step, elapsed_s)
+        if step == 10:
+            raise KeyboardInterrupt  # the job is preempted here
+    with monkeypatch.context() as mp:
+        mp.setattr(rundir.Run, "save", killed_after_step_10)
+        code, out, err = run_main(command, capsys)
+    assert code == 130 and f"--resume auto: no ckpt.pt in {tmp_path / 'auto'}, so a new run" in out, err
+    code, out, err = run_main(command, capsys)  # the same command again
+    assert code == 0 and "resumed from step 10 (of 20)" in out and "a new run" not in out, err
+    a, b = (hf_io.load_checkpoint_file(str(tmp_path / d / "ckpt.pt")) for d in ("whole", "auto"))
+    assert a["step"] == b["step"] == 20 and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    code, out, err = run_main(command, capsys)  # and again, once finished: nothing left to do
+    assert code == 0 and "resumed from step 20 (of 20)" in out, err
+    (tmp_path / "auto" / "ckpt.pt").unlink()  # an export without its ckpt.pt is never trained over
+    code, _, err = run_main(command, capsys)
+    assert code == 2
+    one_error(err, "holds a model (config.json) but no ckpt.pt")
+
+
 def test_resume_from_an_older_checkpoint_file_does_not_save_over_the_runs_own(corpus, cache, tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert run_main(flags(corpus, cache, run_dir, max_steps=5, ckpt_interval=5), capsys)[0] == 0

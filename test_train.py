@@ -705,12 +705,15 @@ def test_every_rank_runs_the_same_code_and_read_the_same_tokens(monkeypatch, tmp
     edited, other_torch = {**code, "losses.py": "0" * 12}, {**code, "torch": "2.0.0"}
     flags = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in rundir.NODE_FLAGS}
     other_lr = {**flags, "lr": 5e-4, "taco_temperature": 0.5}
-    cases = [([(code, flags, "A"), (edited, flags, "A")],
+    cases = [([(code, flags, "A", None), (edited, flags, "A", None)],
               r"rank\(s\) 2 run other code than rank 0 \(on rank 2, other losses.py\)"),
-             ([(other_torch, flags, "A"), (edited, flags, "B")], r"rank\(s\) 1, 2 run other code .*\(on rank 1, other torch\)"),
-             ([(code, flags, "A"), (code, other_lr, "A")], r"rank\(s\) 2 run with other flags than rank 0 \(on rank 2: "
+             ([(other_torch, flags, "A", None), (edited, flags, "B", None)], r"rank\(s\) 1, 2 run other code .*\(on rank 1, other torch\)"),
+             ([(code, flags, "A", None), (code, other_lr, "A", None)], r"rank\(s\) 2 run with other flags than rank 0 \(on rank 2: "
               r"--lr 0.0005 \(here 0.001\), --taco_temperature 0.5 \(here 0.07\)\): every node needs the same"),
-             ([(code, flags, "B"), (code, flags, "A")], r"rank\(s\) 1 read other data than rank 0 \(A; rank 1: B\)")]
+             ([(code, flags, "B", None), (code, flags, "A", None)], r"rank\(s\) 1 read other data than rank 0 \(A; rank 1: B\)"),
+             # a node whose --out_dir is not the shared one: a stale ckpt.pt, or none (a new run under --resume auto)
+             ([(code, flags, "A", 5000), (code, flags, "A", None)], r"rank\(s\) 1 start from step 5000 \(rank 1\), "
+              r"rank 0 from a new run: every node must see the same --out_dir .* and its ckpt.pt")]
     for values, message in cases:
         peers["values"] = values
         with pytest.raises(ValueError, match=message):

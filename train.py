@@ -116,7 +116,7 @@ def train(cfg, ckpt=None):
     if note and master:
         print(note)
     cfg.batch_size = batch_size
-    rundir.same_on_every_rank(cfg, layout)  # the same code and flags on every node, before hours of tokenizing
+    rundir.same_on_every_rank(cfg, layout, ckpt=ckpt)  # same code, flags, step on every node, before tokenizing
 
     # ---- data: a token stream, cut into [CLS] + seq_len - 2 tokens + [SEP] blocks (rank 0 tokenizes first)
     tok, train_tokens, val_tokens = distributed.rank0_first(layout, lambda: data.prepare_data(
