@@ -287,6 +287,16 @@ OBJECTIVE_FLAGS = {"mlm_predict_all": "mlm taco tacl", "taco_": "taco", "tacl_":
                    "cocolm_": "cocolm", "electra_": "electra"}
 
 
+def warmup_note(cfg, given):
+    """A new run of a preset shortened to near its warm-up (--preset small --max_steps 3000 keeps 2,500 warm-up
+    steps): a note, since the lr then barely decays. A warm-up longer than the run is cut to 10% in parse_args."""
+    if cfg.resume or "warmup_steps" in given or "max_steps" not in given or cfg.warmup_steps <= cfg.max_steps // 2:
+        return []
+    return [f"note: the preset's warm-up is {cfg.warmup_steps:,} of the {cfg.max_steps:,} steps: the learning rate "
+            f"peaks at step {cfg.warmup_steps:,} and decays over the last {cfg.max_steps - cfg.warmup_steps:,} only; "
+            f"--warmup_steps N shortens it (10%: --warmup_steps {cfg.max_steps // 10})"]
+
+
 def unread_flags(cfg, given):
     """Notes on the flags given that cfg.objective never reads (a note, not an error: a script may pass one
     set of flags to every objective), e.g. --taco_window under --objective mlm. None for an objective that

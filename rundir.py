@@ -34,7 +34,8 @@ import data
 import distributed
 import token_files
 from atomic import replace_atomic, strict_json, write_atomic
-from config import RankError, TrainConfig, data_path, init_dir, parse_args, pooled, unread_flags, validate
+from config import (RankError, TrainConfig, data_path, init_dir, parse_args, pooled, unread_flags, validate,
+                    warmup_note)
 from hf_io import load_checkpoint_file, load_safetensors, still_training
 from model import Bert, BertConfig
 from monitor import Diverged, duration
@@ -68,7 +69,7 @@ def run_main(train, argv, usage):
             cfg, ckpt = resume_config(cfg, given)
         validate(cfg)
         if rank == 0:
-            for note in unread_flags(cfg, given):
+            for note in unread_flags(cfg, given) + warmup_note(cfg, given):
                 print(note)
             made = None if os.path.isdir(cfg.out_dir) else cfg.out_dir
             lock = take_lock(cfg.out_dir)  # before anything is written there

@@ -113,6 +113,19 @@ def test_a_flag_the_objective_never_reads_gets_a_note(monkeypatch):
                 f"--{name}: add it (or its prefix) to config.OBJECTIVE_FLAGS with the objectives that read it"
 
 
+def test_a_preset_shortened_to_near_its_warm_up_gets_a_note():
+    # --preset small --max_steps 3000 kept the preset's 2,500 warm-up steps: the lr peaked near the end, without a word
+    note = lambda *argv: config.warmup_note(*config.parse_args(list(argv)))
+    assert note("--preset", "small", "--max_steps", "3000") == [
+        "note: the preset's warm-up is 2,500 of the 3,000 steps: the learning rate peaks at step 2,500 and decays over "
+        "the last 500 only; --warmup_steps N shortens it (10%: --warmup_steps 300)"]
+    assert note("--preset", "small", "--max_steps", "5000") == []  # half: decay as long as the warm-up
+    assert note("--preset", "small", "--max_steps", "3000", "--warmup_steps", "2500") == []  # asked for
+    assert note("--preset", "small", "--max_steps", "2000") == []  # cut to 10% (200) by parse_args
+    assert note("--preset", "small") == [] and note("--max_steps", "60") == []  # the smoke preset's 30: half of 60
+    assert note("--max_steps", "40")[0].startswith("note: the preset's warm-up is 30 of the 40 steps")
+
+
 def test_help_lists_fields_with_comments():
     out = subprocess.run([sys.executable, "train.py", "--help"], cwd=HERE, capture_output=True, text=True)
     assert out.returncode == 0 and "--taco_negatives" in out.stdout and "K negatives" in out.stdout
