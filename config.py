@@ -299,7 +299,7 @@ def warmup_note(cfg, given):
 
 def unread_flags(cfg, given):
     """Notes on the flags given that cfg.objective never reads (a note, not an error: a script may pass one
-    set of flags to every objective), e.g. --taco_window under --objective mlm. None for an objective that
+    set of flags to every objective), e.g. --taco_window under --objective mlm. No note for an objective that
     OBJECTIVE_FLAGS does not name (one added to losses.LOSSES may read any: mlm_loss's predict_all, TACO's)."""
     if not any(cfg.objective in users.split() for users in OBJECTIVE_FLAGS.values()):
         return []

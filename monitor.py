@@ -7,7 +7,8 @@ test_bench.py's FLOP tests, test_train.py's log tests):
   DDP ranks stop at the same step, and log.jsonl's last line says why; the check reads the device only at log
   steps and before saves, so the step itself never waits for the host;
 - a negative training loss (a sign flipped by an edit to losses.py: every built-in loss sums cross-entropies,
-  >= 0) is said once, on the console, at the first log step that shows it; the run goes on;
+  >= 0) is said once, on the console, at the first log or save step that shows it (rank 0's loss at a save
+  step, the mean over ranks at a log step); the run goes on;
 - MFU is counted with the FLOPs the objective really computes (objective_flops_per_token).
 (The console that outlives its reader is console.py's.)
 """

@@ -9,7 +9,8 @@ It guarantees (test_reliability.py and test_train.py hold it to each):
   and keeps the last good one;
 - a resume reads its own tokenizer and refuses other data (a fingerprint of the token streams), as a run
   refuses ranks that read other tokens than rank 0 (a node's own copy of --data or --cache_dir), run
-  other code (a node's own checkout, edited; another torch) or were given other flags (but their paths);
+  other code (a node's own checkout, edited; another torch), were given other flags (but their paths) or
+  would go on from another checkpoint step (a node's own --out_dir);
 - every segment of a run records the code that ran (git commit, code.diff of local changes, each module's
   hash), torch, host; a resume names the modules that changed since the run last started;
 - bad input is one `error:` line and exit 2 (under torchrun from rank 0, plus one `error (rank N):` line from
