@@ -953,6 +953,22 @@ def test_best_run_on_dev_predicts_the_test_set(tmp_path, tiny_model_dir, monkeyp
             + ([] if predict_seed is None else ["--predict_seed", str(predict_seed)]))
     assert json.loads((out / "glue.json").read_text())["tasks"]["cola"]["predicted_by"] == f"seed {chosen}"
     assert {v for _, v in read_submission(out / "CoLA.tsv")} == {str(chosen % 2)}
+    assert json.loads((out / "glue.json").read_text())["predictions"]["CoLA"] == {"rows": 10, "model": f"cola seed {chosen}"}
+
+
+def test_a_leaderboard_file_from_a_collapsed_run_says_so(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    # the best run on dev predicted one class there (a model too small, or diverged: STS-B's NaN scores are written
+    # 0.000; MRPC's all-positive F1 can beat a real run's): it wrote CoLA.tsv as any other, and nothing said so
+    monkeypatch.setattr(ev, "finetune", lambda base, task, data, hp, seed, *args: (
+        torch.nn.Linear(1, 1), [dict(scores=dict(mcc=0.0), collapsed=True)]))
+    monkeypatch.setattr(ev, "predict", lambda model, enc, *a, **k: np.zeros(len(enc.lengths), np.int64))
+    out = tmp_path / "out"
+    ev.main(["--model", str(tiny_model_dir), "--glue_dir", str(write_glue(tmp_path / "glue")), "--tasks", "cola",
+             "--seeds", "1,2", "--predict", "--out", str(out)])
+    assert json.loads((out / "glue.json").read_text())["predictions"]["CoLA"] == {
+        "rows": 10, "model": "cola seed 1", "collapsed": True}
+    assert ("note: CoLA.tsv is from seed 1, the best on dev, which predicted one value there (collapsed): not a "
+            "submission to make") in capsys.readouterr().out
 
 
 def test_a_run_scores_its_last_epoch_not_its_best(tmp_path, tiny_model_dir, monkeypatch):
