@@ -7,6 +7,8 @@ guarantees (test_train.py's DDP, torchrun-SIGTERM and SIGKILL tests; test_reliab
   a frozen one after DDP_TIMEOUT (never a hang), as does a rendezvous that a process never joins (one line),
   and the ranks that wait while rank 0 (or a node with its own --cache_dir) tokenizes a corpus wait up to
   DATA_TIMEOUT on their own group;
+- a worker group that `torchrun --max_restarts` restarts meets on keys of its own attempt, not the dead workers'
+  (restart_store);
 - SIGINT / SIGTERM stop a run between two steps, never inside one, and every rank stops after the same
   step (a tiny gloo all-reduce each step); a second Ctrl-C stops at once (under torchrun it reaches only
   torchrun, which passes on a SIGTERM: the workers still save); a SIGKILLed torchrun takes its workers
@@ -77,6 +79,34 @@ def torchrun_problem():
     return None
 
 
+def restart_problem():
+    """Why torchrun's restarts could not work, or None: across nodes, the workers' shared store (restart_store) has no
+    attempt number that every node agrees on (each counts its own restarts)."""
+    if shared_store() and env_int("TORCHELASTIC_MAX_RESTARTS") and env_int("LOCAL_WORLD_SIZE") < env_int("WORLD_SIZE"):
+        return (f"torchrun --max_restarts {os.environ['TORCHELASTIC_MAX_RESTARTS']} across nodes: its workers meet in "
+                f"the rendezvous store, which keeps the dead workers' addresses, and a restart that reads them fails or "
+                f"hangs (pytorch issue 135712); export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun, on every node")
+    return None
+
+
+def shared_store():
+    """Whether torchrun's workers meet in its agent's TCPStore (torch >= 2.4 with the c10d rendezvous: --standalone,
+    --rdzv-backend c10d), which outlives a restart of the workers."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+def restart_store(world):
+    """The store the workers meet in, or None for torchrun's own (env://). torchrun's shared rendezvous store keeps
+    what the workers of an attempt wrote (each rank's gloo address, NCCL's id) when --max_restarts starts new ones:
+    a restarted worker that read a dead one's address failed its rendezvous in a traceback, using up a restart, or
+    hung in connecting (6 hours for the data group's timeout). On one node every worker restarts together, so the
+    restart count names the attempt; across nodes the counts can differ (restart_problem refuses that case)."""
+    if not shared_store():
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], env_int("MASTER_PORT"), world, is_master=False, timeout=DDP_TIMEOUT)
+    return dist.PrefixStore(f"bertcl/attempt_{env_int('TORCHELASTIC_RESTART_COUNT')}", store)
+
+
 def setup(cfg):
     """The device (--device, or the best one present) and, under torchrun, the process group."""
     device = cfg.device if cfg.device != "auto" else (
@@ -98,7 +128,9 @@ def setup(cfg):
     if local_rank == 0:
         note.start()
     try:
-        dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo", timeout=DDP_TIMEOUT)
+        store = restart_store(world)
+        dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo", timeout=DDP_TIMEOUT,
+                                **({} if store is None else dict(store=store, rank=rank, world_size=world)))
     except dist.DistError as e:  # after DDP_TIMEOUT: a process that never started, another MASTER_ADDR / MASTER_PORT
         why = str(e).strip().splitlines()[0].rstrip(".")
         raise ValueError(f"torchrun's rendezvous at {at} failed ({why}): all WORLD_SIZE={world} processes must start, "

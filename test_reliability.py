@@ -250,6 +250,46 @@ def test_a_torchrun_process_that_never_joins_is_one_error_line(corpus, cache, tm
               "all WORLD_SIZE=2 processes must start", "one that stopped on an error before joining says why")
 
 
+
+WORKER = ("import datetime, os, sys, types, torch, torch.distributed as dist, distributed; "
+          "distributed.DDP_TIMEOUT = distributed.DATA_TIMEOUT = datetime.timedelta(seconds=20); "
+          "layout = distributed.setup(types.SimpleNamespace(device='cpu')); "
+          "[dist.all_reduce(torch.ones(1), group=g) for g in (None, layout.data_group, layout.stop_group)]; "
+          "print('joined', flush=True); os._exit(0)")  # dies as a killed worker does: its keys stay in the store
+
+
+@pytest.mark.slow
+def test_a_torchrun_restart_meets_on_its_own_attempts_keys(tmp_path):
+    # torchrun's c10d rendezvous (--standalone) hands its workers its own TCPStore, which outlives a --max_restarts
+    # restart: a restarted worker read a dead one's gloo address there and failed ("Connection refused", a restart used
+    # up) or hung connecting, up to the data group's 6 hours; found by kill -9 of a worker under --max_restarts=2
+    from torch.distributed import TCPStore
+    agent = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # the agent's store: it outlives both
+    env = lambda rank, attempt: {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+                                 "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(agent.port),
+                                 "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "1",
+                                 "TORCHELASTIC_RESTART_COUNT": str(attempt), "OMP_NUM_THREADS": "1"}
+    for attempt in (0, 1):
+        workers = []
+        for rank in (0, 1):  # in attempt 1 rank 0 comes first and meets rank 1's entry of attempt 0 (a dead process)
+            workers.append(subprocess.Popen([sys.executable, "-c", WORKER], cwd=HERE, env=env(rank, attempt),
+                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            time.sleep(3 if attempt else 0)
+        for rank, proc in enumerate(workers):
+            out, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0 and out == "joined\n", f"attempt {attempt}, rank {rank}: {err[-2000:]}"
+
+
+def test_torchrun_restarts_across_nodes_on_the_shared_store_are_one_error_line(corpus, cache, tmp_path, capsys,
+                                                                                monkeypatch):
+    # across nodes each torchrun counts its own restarts, so no attempt number scopes the shared store's keys
+    for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                        "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "3"}.items():
+        monkeypatch.setenv(name, value)
+    code, _, err = run_main(flags(corpus, cache, tmp_path / "run"), capsys)
+    assert code == 2 and not (tmp_path / "run").exists()
+    one_error(err, "torchrun --max_restarts 3 across nodes", "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
+
 def test_help_shows_the_chosen_preset(capsys):
     code, out, _ = run_main(["--preset", "small", "--help"], capsys)
     row = next(line for line in out.splitlines() if line.strip().startswith("--preset "))
