@@ -440,7 +440,8 @@ def validate(cfg):
     for name in ("out_dir", "cache_dir"):
         problem = dir_problem(getattr(cfg, name))  # once: it writes a probe file
         need(problem is None, name, problem)
-    need(not cfg.init_from or os.path.exists(cfg.init_from), "init_from", "no such file or directory")
+    # a resume's weights (TaCL's teacher too) come from its ckpt.pt: the start weights may be gone (a node-local copy)
+    need(not cfg.init_from or cfg.resume or os.path.exists(cfg.init_from), "init_from", "no such file or directory")
     if cfg.init_from and os.path.realpath(init_dir(cfg.init_from)) == os.path.realpath(cfg.out_dir):
         raise ValueError(f"--out_dir {cfg.out_dir} is where --init_from {cfg.init_from} is: the run would overwrite "
                          f"the weights it starts from; choose another --out_dir")

@@ -928,6 +928,23 @@ def test_resume_auto_is_one_command_that_starts_a_run_and_goes_on_after_a_kill(c
     one_error(err, "holds a model (config.json) but no ckpt.pt")
 
 
+
+def test_resume_auto_goes_on_without_the_init_from_weights(corpus, cache, tmp_path, capsys):
+    # a requeued TaCL job repeats --init_from, whose weights (staged on a node's local disk, or cleaned up since) a
+    # resume never reads: its model and teacher come from ckpt.pt. The repeat was "--init_from ...: no such file"
+    assert run_main(flags(corpus, cache, tmp_path / "mlm", max_steps=4, ckpt_interval=4), capsys)[0] == 0
+    shutil.copytree(tmp_path / "mlm", tmp_path / "local")
+    command = flags(corpus, cache, tmp_path / "tacl", max_steps=8, ckpt_interval=4) + [
+        "--objective", "tacl", "--init_from", tmp_path / "local", "--resume", "auto"]
+    assert run_main(command + ["--max_steps", 4], capsys)[0] == 0
+    shutil.rmtree(tmp_path / "local")  # the job comes back on another node
+    code, out, err = run_main(command, capsys)
+    assert code == 0 and "resumed from step 4 (of 8)" in out, err
+    code, _, err = run_main(flags(corpus, cache, tmp_path / "new") + ["--objective", "tacl", "--init_from",
+                                                                      tmp_path / "local"], capsys)
+    assert code == 2  # a new run still needs them
+    one_error(err, "--init_from", "no such file or directory")
+
 def test_resume_from_an_older_checkpoint_file_does_not_save_over_the_runs_own(corpus, cache, tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert run_main(flags(corpus, cache, run_dir, max_steps=5, ckpt_interval=5), capsys)[0] == 0
