@@ -359,9 +359,10 @@ def same_on_every_rank(cfg, layout, fingerprint=None, ckpt=None):
     others = {r: s for r, (_, _, _, s) in enumerate(ranks) if s != step}
     if others:
         say = lambda s: f"step {s}" if s is not None else "a new run"
-        raise ValueError(f"rank(s) {', '.join(map(str, others))} start from {say(others[min(others)])} (rank "
-                         f"{min(others)}), rank {layout.rank} from {say(step)}: every node must see the same "
-                         f"--out_dir {cfg.out_dir} and its ckpt.pt (a filesystem they share)")
+        whose = f" (rank {min(others)}'s)" if len(others) > 1 else ""
+        raise ValueError(f"rank(s) {', '.join(map(str, others))} start from {say(others[min(others)])}{whose}, rank "
+                         f"{layout.rank} from {say(step)}: every node must see the same --out_dir {cfg.out_dir} and "
+                         f"its ckpt.pt (a filesystem they share)")
     others = {r: c for r, (c, _, _, _) in enumerate(ranks) if c != code}
     if others:
         theirs = others[min(others)]

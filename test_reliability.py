@@ -250,7 +250,6 @@ def test_a_torchrun_process_that_never_joins_is_one_error_line(corpus, cache, tm
               "all WORLD_SIZE=2 processes must start", "one that stopped on an error before joining says why")
 
 
-
 WORKER = ("import datetime, os, sys, types, torch, torch.distributed as dist, distributed; "
           "distributed.DDP_TIMEOUT = distributed.DATA_TIMEOUT = datetime.timedelta(seconds=20); "
           "layout = distributed.setup(types.SimpleNamespace(device='cpu')); "
@@ -289,6 +288,7 @@ def test_torchrun_restarts_across_nodes_on_the_shared_store_are_one_error_line(c
     code, _, err = run_main(flags(corpus, cache, tmp_path / "run"), capsys)
     assert code == 2 and not (tmp_path / "run").exists()
     one_error(err, "torchrun --max_restarts 3 across nodes", "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
+
 
 def test_help_shows_the_chosen_preset(capsys):
     code, out, _ = run_main(["--preset", "small", "--help"], capsys)
@@ -928,7 +928,6 @@ def test_resume_auto_is_one_command_that_starts_a_run_and_goes_on_after_a_kill(c
     one_error(err, "holds a model (config.json) but no ckpt.pt")
 
 
-
 def test_resume_auto_goes_on_without_the_init_from_weights(corpus, cache, tmp_path, capsys):
     # a requeued TaCL job repeats --init_from, whose weights (staged on a node's local disk, or cleaned up since) a
     # resume never reads: its model and teacher come from ckpt.pt. The repeat was "--init_from ...: no such file"
@@ -944,6 +943,7 @@ def test_resume_auto_goes_on_without_the_init_from_weights(corpus, cache, tmp_pa
                                                                       tmp_path / "local"], capsys)
     assert code == 2  # a new run still needs them
     one_error(err, "--init_from", "no such file or directory")
+
 
 def test_resume_from_an_older_checkpoint_file_does_not_save_over_the_runs_own(corpus, cache, tmp_path, capsys):
     run_dir = tmp_path / "run"
