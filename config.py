@@ -434,9 +434,6 @@ def validate(cfg):
     problem = distributed.torchrun_problem()  # every rank says it: a hand-set environment may differ per process
     if problem:
         raise RankError(problem)
-    problem = distributed.restart_problem()  # the same on a node's processes: said by rank 0 and each node's first
-    if problem:
-        raise ValueError(problem)
     for name in ("out_dir", "cache_dir"):
         problem = dir_problem(getattr(cfg, name))  # once: it writes a probe file
         need(problem is None, name, problem)

@@ -79,13 +79,15 @@ def torchrun_problem():
     return None
 
 
-def restart_problem():
-    """Why torchrun's restarts could not work, or None: across nodes, the workers' shared store (restart_store) has no
-    attempt number that every node agrees on (each counts its own restarts)."""
+def restart_note():
+    """Across nodes each torchrun counts its own restarts (one that restarted on a failure, another on the changed
+    membership), so the attempt's keys (restart_store) can differ between nodes: the restarted workers then fail
+    their rendezvous after DDP_TIMEOUT, one line, where the dead workers' keys made them hang or fail at once."""
     if shared_store() and env_int("TORCHELASTIC_MAX_RESTARTS") and env_int("LOCAL_WORLD_SIZE") < env_int("WORLD_SIZE"):
-        return (f"torchrun --max_restarts {os.environ['TORCHELASTIC_MAX_RESTARTS']} across nodes: its workers meet in "
-                f"the rendezvous store, which keeps the dead workers' addresses, and a restart that reads them fails or "
-                f"hangs (pytorch issue 135712); export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun, on every node")
+        return (f"note: torchrun --max_restarts {os.environ['TORCHELASTIC_MAX_RESTARTS']} across nodes: the workers of "
+                f"a restart meet on keys named by their node's restart count, and where the nodes' counts differ they "
+                f"give up after {DDP_TIMEOUT} (pytorch issue 135712); with --rdzv-backend c10d, "
+                f"TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every node gives each restart a new store")
     return None
 
 
@@ -100,7 +102,7 @@ def restart_store(world):
     what the workers of an attempt wrote (each rank's gloo address, NCCL's id) when --max_restarts starts new ones:
     a restarted worker that read a dead one's address failed its rendezvous in a traceback, using up a restart, or
     hung in connecting (6 hours for the data group's timeout). On one node every worker restarts together, so the
-    restart count names the attempt; across nodes the counts can differ (restart_problem refuses that case)."""
+    restart count names the attempt; across nodes the counts can differ (restart_note says so)."""
     if not shared_store():
         return None
     store = dist.TCPStore(os.environ["MASTER_ADDR"], env_int("MASTER_PORT"), world, is_master=False, timeout=DDP_TIMEOUT)
@@ -127,6 +129,8 @@ def setup(cfg):
     note.daemon = True
     if local_rank == 0:
         note.start()
+    if rank == 0 and restart_note():
+        print(restart_note(), flush=True)
     try:
         store = restart_store(world)
         dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo", timeout=DDP_TIMEOUT,
