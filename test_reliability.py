@@ -330,6 +330,13 @@ class NaNAfter(losses.MLM):
         return loss, metrics
 
 
+def diverge_after(monkeypatch, after):
+    """The mlm objective becomes NaNAfter(after), its count of training forwards at 0."""
+    monkeypatch.setitem(losses.LOSSES, "mlm", NaNAfter)
+    monkeypatch.setattr(NaNAfter, "after", after)
+    monkeypatch.setattr(NaNAfter, "calls", 0)
+
+
 @pytest.mark.parametrize("after, log_interval, message, grad_clip", [
     (12, 5, "at step 13", 1.0),  # seen at the step-15 log line: ckpt.pt keeps step 10
     (12, 5, "at step 13", 0.0),  # clipping off: no gradient norm is computed, the loss alone shows it
@@ -337,9 +344,7 @@ class NaNAfter(losses.MLM):
 ])
 def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(corpus, cache, tmp_path, capsys, monkeypatch,
                                                                after, log_interval, message, grad_clip):
-    monkeypatch.setitem(losses.LOSSES, "mlm", NaNAfter)
-    monkeypatch.setattr(NaNAfter, "after", after)
-    monkeypatch.setattr(NaNAfter, "calls", 0)
+    diverge_after(monkeypatch, after)
     out_dir = tmp_path / "run"
     code, out, err = run_main(flags(corpus, cache, out_dir, max_steps=30, log_interval=log_interval,
                                     grad_clip=grad_clip), capsys)
@@ -363,9 +368,7 @@ def test_a_diverged_run_says_so_in_its_log_and_in_the_comparison(corpus, cache, 
     # found playing the ablation user: a diverged run's log.jsonl just stopped, so --plot_log showed it as a run
     # that ended early; its last line now holds the error, until a resume goes on
     import analysis
-    monkeypatch.setitem(losses.LOSSES, "mlm", NaNAfter)
-    monkeypatch.setattr(NaNAfter, "after", 12)
-    monkeypatch.setattr(NaNAfter, "calls", 0)
+    diverge_after(monkeypatch, 12)
     out_dir = tmp_path / "run"
     code, _, err = run_main(flags(corpus, cache, out_dir, max_steps=30, eval_interval=5), capsys)
     assert code == 1
@@ -391,9 +394,7 @@ def test_a_non_finite_held_out_value_is_strict_json_in_log_jsonl(corpus, cache, 
     # step 3 (the check comes at the step-5 log line), and log.jsonl got "val_mlm_loss": NaN, which Python's json
     # writes bare and jq (1.6 reads it as null, Infinity as 1.8e308), JSON.parse and pandas' strict readers refuse
     import analysis
-    monkeypatch.setitem(losses.LOSSES, "mlm", NaNAfter)
-    monkeypatch.setattr(NaNAfter, "after", 2)
-    monkeypatch.setattr(NaNAfter, "calls", 0)
+    diverge_after(monkeypatch, 2)
     out_dir = tmp_path / "run"
     code, _, err = run_main(flags(corpus, cache, out_dir, max_steps=30, eval_interval=3), capsys)
     assert code == 1 and "non-finite loss" in err
