@@ -272,8 +272,7 @@ class TACO(nn.Module):
             neg_cos = NegativeDots.apply(g, keys, negatives, self.fused_scoring and self.training and g.is_cuda)
             # Eq. 7: f = cos / tau; Eq. 6: InfoNCE with the positive at index 0 (the paper prints it without exp)
             logits = torch.cat([pos_cos[..., None], neg_cos], dim=-1) / self.temperature
-            # Eq. 8, as the official code: a mean over all anchors (the paper: per sequence, then over sequences;
-            # fidelity note 25)
+            # Eq. 8 as the official code: a mean over all anchors (the paper averages per sequence first; note 25)
             tc_loss = masked_mean(torch.logsumexp(logits, -1) - logits[..., 0], anchors)
         metrics.update(tc_loss=tc_loss.detach(), pos_cos=masked_mean(pos_cos, anchors).detach(),
                        neg_cos=masked_mean(neg_cos.mean(-1), anchors).detach())
@@ -417,7 +416,7 @@ def crop_views(input_ids, config, rng, fraction=0.9, attention_mask=None):
     they are cut to it, with no mask: the same [CLS] output, and SDPA keeps its flash kernel (fidelity note 17)."""
     B, T = input_ids.shape
     inner = non_pad(input_ids, attention_mask).sum(1) - 2  # (B,) tokens between [CLS] and [SEP]
-    keep = (inner.double() * fraction).round().long()
+    keep = crop_lengths(T, fraction, input_ids.device)[inner]  # (B,) round(inner * fraction)
     start = uniform_int(inner - keep + 1, rng)  # (B,) crop start in [0, inner - keep]
     j = torch.arange(T, device=input_ids.device)[None, :]  # (1, T) output slot
     crop = input_ids.gather(1, (start[:, None] + j).clamp(max=T - 1))  # slot j <- position start + j
@@ -427,6 +426,11 @@ def crop_views(input_ids, config, rng, fraction=0.9, attention_mask=None):
     if attention_mask is None:
         return crop[:, :2 + round((T - 2) * fraction)], None
     return crop, (j <= end).long()
+
+
+@functools.lru_cache
+def crop_lengths(T, fraction, device):  # round(n * fraction) for n = 0..T, in Python's float64 (MPS has none)
+    return torch.tensor([round(n * fraction) for n in range(T + 1)], device=device)
 
 
 def corrective_lm_loss(lm_logits, targets, copy_logit, is_original):
@@ -565,19 +569,16 @@ def binary_entropy(p):
 
 
 def auc(logits, targets, mask):
-    """ROC AUC of a detector over the masked-in positions (Mann-Whitney: the chance that a random
-    positive scores above a random negative; ties count 1/2), as the official ELECTRA logs disc_auc.
-    Unlike accuracy it sees a detector that ranks well but never crosses 0.5. NaN without both classes.
-    Under bf16 autocast the head's logits arrive rounded, so near-equal scores become ties."""
-    scores, labels = upcast(logits[mask]).double(), targets[mask]
+    """ROC AUC of a detector over the masked-in positions (Mann-Whitney: the chance that a random positive scores
+    above a random negative; ties count 1/2), as the official ELECTRA logs disc_auc: unlike accuracy it sees a
+    detector that ranks well but never crosses 0.5. NaN without both classes. bf16 logits arrive rounded: ties."""
+    scores, labels = upcast(logits[mask]), targets[mask]
     sorted_scores, order = scores.sort()
     _, inverse, counts = torch.unique_consecutive(sorted_scores, return_inverse=True, return_counts=True)
-    mean_rank = counts.cumsum(0).to(scores.dtype) - (counts - 1) / 2  # 1-based; tied scores share their mean rank
-    ranks = torch.empty_like(scores)
-    ranks[order] = mean_rank[inverse]
-    n_pos = labels.sum().to(scores.dtype)
-    n_neg = len(scores) - n_pos
-    return ((ranks[labels].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)).float()
+    ranks2 = torch.empty_like(order)  # twice each 1-based rank (tied scores share their mean): integers, exact in
+    ranks2[order] = (2 * counts.cumsum(0) - (counts - 1))[inverse]  # int64 (MPS has no float64)
+    n_pos = labels.sum()
+    return (ranks2[labels].sum() - n_pos * (n_pos + 1)) / (2 * n_pos * (len(scores) - n_pos))  # 2U / 2(n+ n-)
 
 
 def detector_metrics(name, logit, replaced, input_ids, config, attention_mask, training):
@@ -604,10 +605,10 @@ def gather_dot(anchor, targets, index):
 
 @functools.cache
 def fused_gather_dot():
-    """gather_dot as one compiled kernel (CUDA, --compile): each negative is read from `targets` and summed in fp32,
-    never written out. targets are fp32 under autocast too (g comes from LayerNorms): 64 MB at b256 s128 on
-    BERT-small, above an H100's 50 MB L2 (bf16 would fit, untried). Built on first use (the compiler's import costs
-    seconds). A product and a sum, not an einsum the compiler could lower to a matmul of the gathered tensor."""
+    """gather_dot as one compiled kernel (CUDA, --compile): each negative read from `targets` and summed in fp32, never
+    written out. targets are fp32 under autocast too (g comes from LayerNorms): 64 MB at b256 s128 on BERT-small,
+    above an H100's 50 MB L2 (bf16 would fit, untried). Built on first use (the compiler's import costs seconds).
+    A product and a sum, not an einsum the compiler could lower to a matmul of the gathered tensor."""
     return torch.compile(lambda anchor, targets, index: (anchor[:, :, None, :] * upcast(targets[index])).sum(-1),
                          dynamic=False)
 
@@ -616,11 +617,10 @@ NEGATIVE_CHUNK_FLOATS = 2 ** 20  # 4 MB of fp32 per chunk of gathered negatives 
 
 
 class NegativeDots(torch.autograd.Function):
-    """gather_dot for all K negatives without a (B, T, K, D) tensor (3.4 GB in fp32 at b256 s128 on BERT-small with
-    K = 50, which autograd kept for backward). Forward: fused_gather_dot if `fused`, else K in chunks of
-    NEGATIVE_CHUNK_FLOATS gathered floats (3-4x faster than one gather on CPU). Backward: the anchor's gradient
-    sum_k grad_k targets[n_k] is a weighted embedding bag; the targets' (taco_stop_grad=False only) an index_add per
-    chunk. Same values and gradients as gather_dot (test_losses.py)."""
+    """gather_dot for all K negatives without a (B, T, K, D) tensor (3.4 GB in fp32 at b256 s128 on BERT-small, K = 50,
+    kept by autograd for backward). Forward: fused_gather_dot if `fused`, else K in chunks of NEGATIVE_CHUNK_FLOATS
+    gathered floats (3-4x faster than one gather on CPU). Backward: the anchor's gradient sum_k grad_k targets[n_k]
+    is a weighted embedding bag; the targets' (taco_stop_grad=False only) an index_add per chunk. Same as gather_dot."""
 
     @staticmethod
     def forward(ctx, anchor, targets, negatives, fused=False):
