@@ -356,6 +356,14 @@ def same_on_every_rank(cfg, layout, fingerprint=None, ckpt=None):
     flags = {k: v for k, v in asdict(cfg).items() if k not in NODE_FLAGS}
     step = ckpt["step"] if ckpt else None
     ranks = distributed.every_rank(layout, (code, flags, fingerprint, step))
+    # code first, by position: another checkout may gather another tuple (a 3-tuple before the step was added)
+    others = {r: value[0] for r, value in enumerate(ranks) if value[0] != code}
+    if others:
+        theirs = others[min(others)]
+        differ = sorted(name for name in code.keys() | theirs.keys() if code.get(name) != theirs.get(name))
+        raise ValueError(f"rank(s) {', '.join(map(str, others))} run other code than rank {layout.rank} "
+                         f"(on rank {min(others)}, other {', '.join(differ)}): every node needs the same "
+                         f"checkout of this project and the same torch")
     others = {r: s for r, (_, _, _, s) in enumerate(ranks) if s != step}
     if others:
         say = lambda s: f"step {s}" if s is not None else "a new run"
@@ -363,13 +371,6 @@ def same_on_every_rank(cfg, layout, fingerprint=None, ckpt=None):
         raise ValueError(f"rank(s) {', '.join(map(str, others))} start from {say(others[min(others)])}{whose}, rank "
                          f"{layout.rank} from {say(step)}: every node must see the same --out_dir {cfg.out_dir} and "
                          f"its ckpt.pt (a filesystem they share)")
-    others = {r: c for r, (c, _, _, _) in enumerate(ranks) if c != code}
-    if others:
-        theirs = others[min(others)]
-        differ = sorted(name for name in code.keys() | theirs.keys() if code.get(name) != theirs.get(name))
-        raise ValueError(f"rank(s) {', '.join(map(str, others))} run other code than rank {layout.rank} "
-                         f"(on rank {min(others)}, other {', '.join(differ)}): every node needs the same "
-                         f"checkout of this project and the same torch")
     others = {r: f for r, (_, f, _, _) in enumerate(ranks) if f != flags}
     if others:
         theirs = others[min(others)]

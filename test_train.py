@@ -740,7 +740,11 @@ def test_every_rank_runs_the_same_code_and_read_the_same_tokens(monkeypatch, tmp
              ([(code, flags, "B", None), (code, flags, "A", None)], r"rank\(s\) 1 read other data than rank 0 \(A; rank 1: B\)"),
              # a node whose --out_dir is not the shared one: a stale ckpt.pt, or none (a new run under --resume auto)
              ([(code, flags, "A", 5000), (code, flags, "A", None)], r"rank\(s\) 1 start from step 5000, "
-              r"rank 0 from a new run: every node must see the same --out_dir .* and its ckpt.pt")]
+              r"rank 0 from a new run: every node must see the same --out_dir .* and its ckpt.pt"),
+             # a node on an older checkout gathers (code, flags, data): its code is named, not 'not enough values'
+             ([(code, flags, "A", None), (edited, flags, "A")], r"rank\(s\) 2 run other code than rank 0 \(on rank 2, "
+              r"other losses.py\)"),
+             ([(code, flags, "A", None), (edited, flags, "A", 5000)], r"rank\(s\) 2 run other code")]
     for values, message in cases:
         peers["values"] = values
         with pytest.raises(ValueError, match=message):
