@@ -293,8 +293,8 @@ def warmup_note(cfg, given):
     if cfg.resume or "warmup_steps" in given or "max_steps" not in given or cfg.warmup_steps <= cfg.max_steps // 2:
         return []
     return [f"note: the preset's warm-up is {cfg.warmup_steps:,} of the {cfg.max_steps:,} steps: the learning rate "
-            f"peaks at step {cfg.warmup_steps:,} and decays over the last {cfg.max_steps - cfg.warmup_steps:,} only; "
-            f"--warmup_steps N shortens it (10%: --warmup_steps {cfg.max_steps // 10})"]
+            f"peaks at step {cfg.warmup_steps:,} of {cfg.max_steps:,}; --warmup_steps N shortens it (10%: "
+            f"--warmup_steps {cfg.max_steps // 10})"]
 
 
 def unread_flags(cfg, given):

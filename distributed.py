@@ -81,19 +81,19 @@ def torchrun_problem():
 
 def restart_note():
     """Across nodes each torchrun counts its own restarts (one that restarted on a failure, another on the changed
-    membership), so the attempt's keys (restart_store) can differ between nodes: the restarted workers then fail
-    their rendezvous after DDP_TIMEOUT, one line, where the dead workers' keys made them hang or fail at once."""
+    membership keeps its count), so the attempt's keys (restart_store) can differ between nodes: a node behind
+    then meets the dead workers' keys, as every restart did before restart_store (untried across machines)."""
     if shared_store() and env_int("TORCHELASTIC_MAX_RESTARTS") and env_int("LOCAL_WORLD_SIZE") < env_int("WORLD_SIZE"):
         return (f"note: torchrun --max_restarts {os.environ['TORCHELASTIC_MAX_RESTARTS']} across nodes: the workers of "
-                f"a restart meet on keys named by their node's restart count, and where the nodes' counts differ they "
-                f"give up after {DDP_TIMEOUT} (pytorch issue 135712); with --rdzv-backend c10d, "
+                f"a restart meet on keys named by their node's restart count, and where the nodes' counts differ a "
+                f"restart can hang or fail (pytorch issue 135712); with --rdzv-backend c10d, "
                 f"TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every node gives each restart a new store")
     return None
 
 
 def shared_store():
-    """Whether torchrun's workers meet in its agent's TCPStore (torch >= 2.4 with the c10d rendezvous: --standalone,
-    --rdzv-backend c10d), which outlives a restart of the workers."""
+    """Whether torchrun's workers meet in its agent's TCPStore, which outlives a restart of the workers: the static
+    rendezvous (--master_addr / --node_rank) and, from torch 2.4, the c10d one (--standalone, --rdzv-backend c10d)."""
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 

@@ -498,8 +498,8 @@ def glue_task(task, raw, args, base, tok, size, overrides, seeds, device, out, m
         predictions[stem] = dict(rows=len(index), model=f"{task.name} {best_label}")
         if runs[best_label]["collapsed"]:  # (MRPC's all-positive F1 can beat a real run's; STS-B's NaN is 0.000)
             predictions[stem]["collapsed"] = True
-            log(f"note: {stem}.tsv is from {best_label}, the best on dev, which predicted one value there "
-                f"(collapsed): not a submission to make")
+            log(f"note: {stem}.tsv is from {best_label}, the best on dev, which predicted one value there, or a "
+                f"non-finite one (collapsed): not a submission to make")
     return result, predictions
 
 

@@ -279,6 +279,23 @@ def test_a_torchrun_restart_meets_on_its_own_attempts_keys(tmp_path):
             assert proc.returncode == 0 and out == "joined\n", f"attempt {attempt}, rank {rank}: {err[-2000:]}"
 
 
+def test_a_restarted_worker_group_does_not_see_the_dead_groups_keys(monkeypatch):
+    # the slow test above catches the stale keys only when gloo's random ports make the early rank connect: this one
+    # looks at the store itself
+    import distributed
+    from torch.distributed import TCPStore
+    agent = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # torchrun's, outliving its workers
+    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(agent.port),
+                        "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0"}.items():
+        monkeypatch.setenv(name, value)
+    distributed.restart_store(2).set("rank_1_address", "a dead worker's")
+    assert distributed.restart_store(2).check(["rank_1_address"])  # the same attempt sees it
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert not distributed.restart_store(2).check(["rank_1_address"])  # the restarted group does not
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE")
+    assert distributed.restart_store(2) is None  # torchrun's own env:// rendezvous
+
+
 def test_torchrun_restarts_across_nodes_on_the_shared_store_get_a_note(capsys, monkeypatch):
     # across nodes each torchrun counts its own restarts, so the attempt's keys can differ between nodes: rank 0 says
     # so, and what gives each restart a store of its own; one node, or no --max_restarts, says nothing

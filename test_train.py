@@ -131,8 +131,9 @@ def test_a_preset_shortened_to_near_its_warm_up_gets_a_note():
     # --preset small --max_steps 3000 kept the preset's 2,500 warm-up steps: the lr peaked near the end, without a word
     note = lambda *argv: config.warmup_note(*config.parse_args(list(argv)))
     assert note("--preset", "small", "--max_steps", "3000") == [
-        "note: the preset's warm-up is 2,500 of the 3,000 steps: the learning rate peaks at step 2,500 and decays over "
-        "the last 500 only; --warmup_steps N shortens it (10%: --warmup_steps 300)"]
+        "note: the preset's warm-up is 2,500 of the 3,000 steps: the learning rate peaks at step 2,500 of 3,000; "
+        "--warmup_steps N shortens it (10%: --warmup_steps 300)"]
+    assert "peaks at step 2,500 of 2,500;" in note("--preset", "small", "--max_steps", "2500")[0]  # never decays
     assert note("--preset", "small", "--max_steps", "5000") == []  # half: decay as long as the warm-up
     assert note("--preset", "small", "--max_steps", "3000", "--warmup_steps", "2500") == []  # asked for
     assert note("--preset", "small", "--max_steps", "2000") == []  # cut to 10% (200) by parse_args
