@@ -92,8 +92,11 @@ def run_main(train, argv, usage):
     except RuntimeError as e:  # another process of a torchrun job died: its own output says why
         if not (peer := distributed.lost_peer(e)):
             raise
+        left = distributed.env_int("TORCHELASTIC_MAX_RESTARTS") - distributed.env_int("TORCHELASTIC_RESTART_COUNT")
+        then = (f"torchrun restarts the job ({left} restart(s) left), which goes on from it where the command has "
+                f"--resume auto" if left > 0 else f"rerun with --resume {cfg.out_dir}")
         sys.stderr.write(f"error (rank {rank}): lost another process of this run ({peer}); the last checkpoint "
-                         f"stands: rerun with --resume {cfg.out_dir}\n")
+                         f"stands: {then}\n")
         sys.exit(1)
     except KeyboardInterrupt:  # before the training loop, which handles its own
         print("interrupted before training started: nothing was saved", file=sys.stderr)

@@ -1748,6 +1748,12 @@ def test_a_lost_peer_is_one_line_and_exit_1_and_an_own_error_keeps_its_traceback
     assert capsys.readouterr().err == ("error (rank 1): lost another process of this run (Read error "
                                        "[127.0.0.1]:10165: Connection reset by peer); the last checkpoint stands: "
                                        f"rerun with --resume {tmp_path / 'run'}\n")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")  # torchrun --max_restarts 2, first attempt: it restarts
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    with pytest.raises(SystemExit):
+        rundir.run_main(peer_died, argv, usage="")
+    assert capsys.readouterr().err.endswith("the last checkpoint stands: torchrun restarts the job (2 restart(s) "
+                                            "left), which goes on from it where the command has --resume auto\n")
 
     def own_error(cfg, ckpt):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
