@@ -129,8 +129,9 @@ def setup(cfg):
     note.daemon = True
     if local_rank == 0:
         note.start()
-    if rank == 0 and restart_note():
-        print(restart_note(), flush=True)
+    restarts = restart_note()
+    if rank == 0 and restarts:
+        print(restarts, flush=True)
     try:
         store = restart_store(world)
         dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo", timeout=DDP_TIMEOUT,

@@ -464,12 +464,15 @@ def start_weights(cfg, master):
     return init_model
 
 
+def trains_head(model):
+    """Whether the built objective trains the MLM head: its parameters still need a gradient (MLM, TACO, TaCL, an
+    objective added to losses.LOSSES; ELECTRA and COCO-LM switch it off, and their export leaves it out)."""
+    return any(p.requires_grad for p in model.head.parameters())
+
+
 def note_fresh_head(cfg, init_model, model, master):
-    """Says (rank 0) that --init_from's MLM head was never trained, where this run's objective trains that head.
-    Asked once the objective is built: the head trains when its parameters still need a gradient (MLM, TACO, TaCL,
-    an objective added to losses.LOSSES; ELECTRA and COCO-LM switch it off), the rule of Run.trains_head."""
-    if master and init_model is not None and init_model.fresh_head and any(
-            p.requires_grad for p in model.head.parameters()):
+    """Says (rank 0) that --init_from's MLM head was never trained, where this run's objective trains that head."""
+    if master and init_model is not None and init_model.fresh_head and trains_head(model):
         print(f"note: {cfg.init_from} has no MLM head that its run trained (a BertModel, or an ELECTRA / COCO-LM "
               f"run): the head starts untrained or stale")
 
@@ -540,7 +543,7 @@ class Run:
     def attach(self, model, model_config, objective, optimizer, train_loader, scaler):
         self.model, self.model_config, self.objective = model, model_config, objective
         self.optimizer, self.train_loader, self.scaler = optimizer, train_loader, scaler
-        self.trains_head = any(p.requires_grad for p in model.head.parameters())  # COCO-LM, ELECTRA: export without it
+        self.trains_head = trains_head(model)  # COCO-LM, ELECTRA: export without it
 
     def restore(self):
         """Load ckpt.pt into the attached objects. Returns (step, training seconds so far); (0, 0.0) when new."""
@@ -625,8 +628,8 @@ class Run:
     def log(self, record):
         """One strict-JSON line: a non-finite value (a held-out loss of NaN weights) is null, and `non_finite`
         says which it was ({"val_tc_loss": "inf"}), so --plot_log's table still shows inf or nan."""
-        bad = {k: repr(v) for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)}
         if self.log_file:
+            bad = {k: repr(v) for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)}
             with self.failing_write(f"write {self.log_file.name}"):
                 self.log_file.write(strict_json({**record, "non_finite": bad} if bad else record) + "\n")
                 self.log_file.flush()
