@@ -270,7 +270,7 @@ def _line_pieces(rows, state):
         state["has_blanks"] = state.get("has_blanks", False) or not stripped
         if not stripped or stripped == "</doc>":
             continue
-        if stripped.startswith("<doc") and stripped.endswith(">"):  # WikiExtractor article start
+        if stripped.startswith("<doc") and stripped.endswith(">"):  # WikiExtractor article start (note 40)
             yield None
             continue
         # where the file has blank rows (WikiText's original and the hub's), a heading follows one: a formula's

@@ -169,14 +169,14 @@ def collate(enc, idx, pad_id, device):
 # Table 6, shared by every task and both sizes; linear decay, max grad norm 1.0, Adam eps 1e-8 and
 # betas 0.9/0.999 are fixed in finetune(). fp32 as the paper (FP16 False); --precision bf16 is faster.
 SHARED = dict(max_len=128, dropout=0.1, weight_decay=0.0, precision="fp32")
-# Table 7: small models, one fixed recipe per task. WNLI, which the paper leaves out, gets RTE's.
+# Table 7: small models, one fixed recipe per task. WNLI, which the paper leaves out, gets RTE's (fidelity note 21).
 SMALL = {
     **dict.fromkeys(("mnli", "qqp"), dict(lr=5e-5, batch_size=64, epochs=6, warmup=2000)),
     **dict.fromkeys(("qnli", "sst2"), dict(lr=5e-5, batch_size=64, epochs=4, warmup=200)),
     **dict.fromkeys(("cola", "stsb", "mrpc", "rte", "wnli"), dict(lr=5e-5, batch_size=32, epochs=4, warmup=100)),
 }
 # Table 8: base models draw NUM_COMBOS combinations per task from its grid and report the mean dev
-# score of those runs (WNLI, left out by the paper, gets RTE's grid).
+# score of those runs (WNLI, left out by the paper, gets RTE's grid; fidelity note 21).
 LRS = (1e-5, 2e-5, 3e-5, 5e-5)
 BASE_GRID = {
     **dict.fromkeys(("mnli", "qqp"), dict(lr=LRS, batch_size=(32, 64, 128), epochs=(4, 6, 8), warmup=(1000, 2000))),

@@ -51,7 +51,7 @@ def configure_optimizer(params, cfg, device_type):
 
 
 def lr_at(step, cfg):
-    if step < cfg.warmup_steps:
+    if step < cfg.warmup_steps:  # (s+1)/W: Hugging Face's s/W trains step 0 at lr 0 (fidelity note 1)
         return cfg.lr * (step + 1) / cfg.warmup_steps
     return cfg.lr * max(0.0, (cfg.max_steps - step) / max(1, cfg.max_steps - cfg.warmup_steps))
 
