@@ -100,7 +100,7 @@ PRESETS = {
     # TaCL's own recipe (official train_tacl_english.sh and train.py): continual pretraining of
     # bert-base-uncased (--init_from), 256 x 256 tokens, 150k steps, 10% warm-up, transformers' AdamW
     # defaults (eps 1e-6, no weight decay). Not reproduced: its NSP loss on sentence pairs, and its
-    # clipping on every micro-batch (we clip once per step; fidelity note 3).
+    # clipping on every micro-batch of a summed accumulation (we clip the mean once per step; fidelity note 3).
     "tacl": dict(objective="tacl", model_size="base", seq_len=256, vocab_size=30522, tokens_per_step=256 * 256,
                  batch_size=64, max_steps=150_000, warmup_steps=15_000, lr=1e-4, beta2=0.999, adam_eps=1e-6,
                  weight_decay=0.0, grad_clip=1.0, dropout=0.1, mask_prob=0.15, data=HUB_CORPUS,

@@ -486,7 +486,7 @@ class COCOLM(nn.Module):
         self.generator = Generator(config, cfg, mask_frac, random_frac, sample_dropout_off=True)
         self.copy_head = nn.Linear(D, 1)
         self.lm_bias = nn.Parameter(torch.zeros(config.vocab_size))
-        # the released SCL head's LayerNorm uses eps 1e-5; BERT's 1e-12 here moves L_SCL by <= 3.4e-6 (fidelity note 32)
+        # released SCL head: LN eps 1e-5 (ours 1e-12: L_SCL moves <= 3.4e-6), 768 wide at every size (ours D); note 32
         self.scl_head = nn.Sequential(nn.Linear(D, D), nn.GELU(), nn.LayerNorm(D, eps=config.layer_norm_eps))
         self.copy_head.apply(Bert._init_weights)
         self.scl_head.apply(Bert._init_weights)
