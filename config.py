@@ -119,7 +119,11 @@ PRESET_SOURCES = {
     "tacl": dict(model_size="TaCL: bert-base-uncased", seq_len="TaCL script: max_len 256",
                  tokens_per_step="TaCL script: effective batch 256", max_steps="TaCL: 150k steps (its script: 150,010)",
                  warmup_steps="TaCL train.py: 10% of steps", lr="TaCL script", adam_eps="transformers AdamW default",
-                 weight_decay="transformers AdamW default", grad_clip="TaCL train.py: max_grad_norm 1.0"),
+                 weight_decay="transformers AdamW default", grad_clip="TaCL train.py: max_grad_norm 1.0",
+                 beta2="transformers AdamW default", vocab_size="bert-base-uncased's", dropout="bert-base-uncased's",
+                 mask_prob="TaCL's data code (its own count: fidelity note 6)",
+                 batch_size="ours: a per-process cap; accumulation makes up 256",
+                 data="ours: English Wikipedia 20231101 (TaCL: 20M lines of 20200501; fidelity note 2)"),
 }
 PRESET_SOURCES["base"] = dict(PRESET_SOURCES["small"], model_size=_TABLE5 + ": 12 layers, 768 hidden, 12 heads, FFN 3,072")
 

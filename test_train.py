@@ -298,6 +298,14 @@ def test_tacl_and_smoke_presets_are_what_the_docs_say():
     assert (smoke.vocab_size, smoke.dropout, smoke.lr) == (8192, 0.0, 1e-3)
 
 
+def test_every_recipe_value_of_a_paper_preset_names_its_source():
+    # --help prints each preset value's source: every value small, base and tacl set, bookkeeping aside (how often to
+    # log, evaluate and save, where), names one, so --preset tacl's beta2 no longer reads as TACO's Table 5
+    bookkeeping = {"objective", "out_dir", "log_interval", "eval_interval", "eval_batches", "ckpt_interval"}
+    for preset in ("small", "base", "tacl"):
+        assert set(config.PRESETS[preset]) - bookkeeping <= set(config.PRESET_SOURCES[preset]), preset
+
+
 def test_objective_defaults_are_the_papers():
     # typed in from the papers (the sources config.py's comments and --help name), so a default cannot drift:
     # TACO App. A (tau 0.07, K = 50 negatives; W = 5 from the official scripts), TACO Eq. 11 (lambda 1),
