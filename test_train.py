@@ -306,6 +306,21 @@ def test_every_recipe_value_of_a_paper_preset_names_its_source():
         assert set(config.PRESETS[preset]) - bookkeeping <= set(config.PRESET_SOURCES[preset]), preset
 
 
+def test_every_fidelity_note_is_cited_in_the_code_and_every_citation_is_a_note():
+    # a deviation's comment cites "fidelity note N" (or "note N", "notes N, M"); docs/fidelity.md numbers each note
+    # "N. **...**" for good and says each is a comment at its spot: a cited number must be a note, and each note cited
+    here = os.path.dirname(os.path.abspath(__file__))
+    with open(os.path.join(here, "docs", "fidelity.md")) as f:
+        notes = {int(n) for n in re.findall(r"^(\d+)\. \*\*", f.read(), re.M)}
+    cited = {}
+    for name in sorted(n for n in os.listdir(here) if n.endswith(".py")):
+        with open(os.path.join(here, name)) as f:
+            for group in re.findall(r"\bnotes? (\d+(?:(?:, | and | or |, and )\d+)*)", f.read()):
+                cited.update({int(n): name for n in re.findall(r"\d+", group)})
+    assert len(notes) >= 42 and not {n: name for n, name in cited.items() if n not in notes}
+    assert notes <= set(cited), f"notes no code comment cites: {sorted(notes - set(cited))}"
+
+
 def test_objective_defaults_are_the_papers():
     # typed in from the papers (the sources config.py's comments and --help name), so a default cannot drift:
     # TACO App. A (tau 0.07, K = 50 negatives; W = 5 from the official scripts), TACO Eq. 11 (lambda 1),
