@@ -125,6 +125,7 @@ PRESET_SOURCES = {
                  batch_size="ours: a per-process cap; accumulation makes up 256",
                  data="ours: English Wikipedia 20231101 (TaCL: 20M lines of 20200501; fidelity note 2)"),
 }
+WARMUP_IS_10_PERCENT = ("tacl",)  # its warm-up is a rule (TaCL train.py), not Table 5's step counts
 PRESET_SOURCES["base"] = dict(PRESET_SOURCES["small"], model_size=_TABLE5 + ": 12 layers, 768 hidden, 12 heads, FFN 3,072")
 
 
@@ -208,8 +209,8 @@ def parse_args(argv, usage=None):
             given[name] = os.path.expanduser(given[name])
     cfg = replace(TrainConfig(), **{**PRESETS[preset], **given})
     cfg.cache_dir = os.path.abspath(os.path.expanduser(cfg.cache_dir))
-    if "warmup_steps" not in given and cfg.warmup_steps > cfg.max_steps:  # a short run of a preset: 10% warm-up
-        cfg.warmup_steps = cfg.max_steps // 10
+    if "warmup_steps" not in given and (preset in WARMUP_IS_10_PERCENT or cfg.warmup_steps > cfg.max_steps):
+        cfg.warmup_steps = cfg.max_steps // 10  # TaCL's rule at any --max_steps; a short run of another preset
     return cfg, given
 
 

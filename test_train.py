@@ -139,6 +139,10 @@ def test_a_preset_shortened_to_near_its_warm_up_gets_a_note():
     assert note("--preset", "small", "--max_steps", "2000") == []  # cut to 10% (200) by parse_args
     assert note("--preset", "small") == [] and note("--max_steps", "60") == []  # the smoke preset's 30: half of 60
     assert note("--max_steps", "40")[0].startswith("note: the preset's warm-up is 30 of the 40 steps")
+    # --preset tacl's warm-up is TaCL's rule, 10% of the steps, at any --max_steps (Table 5's presets keep step counts)
+    warmup = lambda *argv: config.parse_args(["--preset", "tacl", *argv])[0].warmup_steps
+    assert (warmup(), warmup("--max_steps", "40000"), warmup("--max_steps", "40000", "--warmup_steps", "15000")) == (
+        15_000, 4_000, 15_000)
 
 
 def test_help_lists_fields_with_comments():
