@@ -38,16 +38,32 @@ from pathlib import Path
 
 from atomic import replace_atomic
 
+try:
+    import zstandard  # optional: only a .zst corpus needs it (as datasets' own .zst reading does)
+except ImportError:
+    zstandard = None
+
 # data.DEFAULT_DATA: the WikiText-2 raw test split, 1.3 MB of real Wikipedia text (0.37 MB as .xz), enough
 # for smoke runs and tests without a network
 SAMPLE_CORPUS = str(Path(__file__).resolve().parent / "assets" / "wikitext2_test.raw.xz")
 BUILDERS = {".txt": "text", ".raw": "text", ".jsonl": "json", ".parquet": "parquet"}  # no .json: dirs hold configs
 COMPRESSIONS = (".xz", ".gz", ".bz2", ".zst")
-DECOMPRESS = {".xz": lzma.open, ".gz": gzip.open, ".bz2": bz2.open}  # .zst: datasets' own (needs zstandard)
 WIKITEXT_HEADING = re.compile(r"^ = [^=].* =\s*$")  # top-level only: " == Section == " stays in the doc
 FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a full disk, a quota, a file-size limit (ulimit -f)
 FILES_PER_LOAD = 25  # files per datasets.load_dataset call (see load_corpus)
 BATCH_ROWS = 2000  # rows per encode_batch call: large enough to keep every core busy
+
+
+def _open_zst(path, mode="rb"):
+    if zstandard is None:
+        raise ValueError(f"cannot read {path} as text: no zstd decompressor (install the zstandard package: "
+                         f"pip install zstandard)")
+    return zstandard.open(path, mode)
+
+
+DECOMPRESS = {".xz": lzma.open, ".gz": gzip.open, ".bz2": bz2.open, ".zst": _open_zst}  # text we decompress ourselves
+# what reading a truncated or fake compressed file raises (gzip and bz2: OSError)
+BROKEN = (EOFError, OSError, lzma.LZMAError) + ((zstandard.ZstdError,) if zstandard else ())
 
 
 def first_line(e):
@@ -111,14 +127,14 @@ def resolve_files(data):
     return files
 
 def read_text(path):
-    """A UTF-8 text file (.xz/.gz/.bz2 too, as --data reads them; a BOM dropped) as one str; bytes that are not
+    """A UTF-8 text file (.xz/.gz/.bz2/.zst too, as --data reads them; a BOM dropped) as one str; bytes that are not
     UTF-8 are one ValueError naming the file and line (eval.py's GLUE TSVs, analysis.py's --text)."""
     suffix = Path(path).suffix
     opener = DECOMPRESS.get(suffix)
     try:
         with (opener or open)(path, "rb") as f:
             raw = f.read()
-    except (EOFError, OSError, lzma.LZMAError) as e:  # truncated, or not that format at all (gzip, bz2: OSError)
+    except BROKEN as e:  # truncated, or not that format at all
         if opener is None:
             raise
         raise ValueError(f"{path}: not a readable {suffix} file ({first_line(e)})") from None
@@ -164,7 +180,7 @@ def _decompressed(f, hf_cache):
             while True:
                 try:
                     chunk = src.read(1 << 20)
-                except (EOFError, OSError, lzma.LZMAError) as e:  # truncated, or not that format (gzip, bz2: OSError)
+                except BROKEN as e:  # truncated, or not that format
                     raise ValueError(f"cannot read {f} as text: not a readable {Path(f).suffix} file "
                                      f"({first_line(e)})") from None
                 if not chunk:

@@ -3,6 +3,7 @@ unreadable files as one clear error, the token cache reused, invalidated and reb
 import builtins
 import bz2
 import gzip
+import importlib.util
 import json
 import lzma
 import os
@@ -45,10 +46,16 @@ def test_wikiextractor_markers_and_formats(tok_dir, tmp_path):
         assert np.array_equal(_stream(tok_dir, tmp_path / name, tmp_path)[1], stream), name
 
 
-@pytest.mark.parametrize("name, compress", [("a.txt", bytes), ("a.txt.gz", gzip.compress), ("a.txt.bz2", bz2.compress)])
+def _zst(raw):
+    return pytest.importorskip("zstandard").ZstdCompressor().compress(raw)
+
+
+@pytest.mark.parametrize("name, compress", [("a.txt", bytes), ("a.txt.gz", gzip.compress), ("a.txt.bz2", bz2.compress),
+                                            ("a.txt.zst", _zst)])
 def test_a_byte_order_mark_hides_no_doc_line(tok_dir, tmp_path, name, compress):
     # Windows editors start UTF-8 files with a BOM: the first <doc ...> line is still a marker, not text
-    # (compressed, it was kept: datasets reads those in the locale's encoding, whatever encoding= says)
+    # (compressed, it was kept: datasets reads those in the locale's encoding, whatever encoding= says; .zst
+    # was read so until it was decompressed as the others are)
     (tmp_path / name).write_bytes(compress(b"\xef\xbb\xbf" + _wikiextractor_text().encode()))
     tok, stream = _stream(tok_dir, tmp_path / name, tmp_path)
     assert (stream == data.special_token_ids(tok)["sep"]).sum() == len(TITLES) - 1
@@ -61,15 +68,19 @@ def test_compressed_text_is_utf8_under_any_locale(tmp_path):
     # refused as "not UTF-8"
     text = "Caf\u00e9 \u2014 \u201cna\u00efve\u201d \u00d7 \u03c4\n"
     (tmp_path / "a.txt.xz").write_bytes(lzma.compress(text.encode()))
+    files = [tmp_path / "a.txt.xz", corpus.SAMPLE_CORPUS]
+    if importlib.util.find_spec("zstandard"):  # .zst, read by datasets, was refused so until we decompressed it too
+        (tmp_path / "a.txt.zst").write_bytes(_zst(text.encode()))
+        files.append(tmp_path / "a.txt.zst")
     script = ("import corpus, json, sys; print(json.dumps([list(corpus.load_corpus(f, corpus.resolve_files(f), "
               "sys.argv[1])[0][1]['text']) for f in sys.argv[2:]]))")
     env = {**os.environ, "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0", "LC_ALL": "C"}
-    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "cache"), str(tmp_path / "a.txt.xz"),
-                           corpus.SAMPLE_CORPUS], cwd=os.path.dirname(corpus.__file__), env=env, capture_output=True,
-                          text=True, encoding="utf-8")
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "cache"), *map(str, files)],
+                          cwd=os.path.dirname(corpus.__file__), env=env, capture_output=True, text=True, encoding="utf-8")
     assert done.returncode == 0, done.stderr
-    mine, sample = json.loads(done.stdout)
+    mine, sample, *zst = json.loads(done.stdout)
     assert mine == [text.strip()] and sample[:3] == corpus.read_text(corpus.SAMPLE_CORPUS).splitlines()[:3]
+    assert zst in ([], [[text.strip()]])
 
 
 def test_special_token_spellings_in_the_text_are_text(tok_dir, tmp_path):
@@ -524,7 +535,8 @@ def test_a_cached_tokenizer_with_a_damaged_id_is_retrained(tmp_path, capsys):
     assert len(list((tmp_path / "cache").glob("tokens-*.bin"))) == 1  # none made with the damaged one
 
 
-@pytest.mark.parametrize("suffix, compress", [("xz", lzma.compress), ("gz", gzip.compress), ("bz2", bz2.compress)])
+@pytest.mark.parametrize("suffix, compress", [("xz", lzma.compress), ("gz", gzip.compress), ("bz2", bz2.compress),
+                                              ("zst", _zst)])
 def test_read_text_reads_what_data_reads(tmp_path, suffix, compress):
     # eval.py --analysis --text a.txt.gz was refused as "not UTF-8 text ... a binary file", though --data reads it
     path = tmp_path / f"t.txt.{suffix}"
@@ -572,15 +584,10 @@ def test_a_cache_that_cannot_take_the_decompressed_copy_is_blamed_not_the_corpus
         corpus.load_corpus(str(tmp_path / "a.txt.gz"), [tmp_path / "a.txt.gz"], tmp_path / "cache")
 
 
-def test_a_zst_file_without_zstandard_names_the_package(tmp_path):
-    # datasets reads .zst through the zstandard package, which requirements.txt does not list
-    pytest.importorskip("datasets")
-    try:
-        import zstandard  # noqa: F401
-        pytest.skip("zstandard is installed: the .zst file reads")
-    except ImportError:
-        pass
+def test_a_zst_file_without_zstandard_names_the_package(tmp_path, monkeypatch):
+    # .zst is read through the zstandard package (ours for text, datasets' for .jsonl), which requirements.txt omits
     import datasets
+    monkeypatch.setattr(corpus, "zstandard", None)
     (tmp_path / "a.txt.zst").write_bytes(bytes.fromhex("28b52ffd0458510000736f6d6520746578740a02e51a06"))  # "some text"
     with pytest.raises(ValueError, match=r"a.txt.zst as text: .*zstd.*\(install the zstandard package: pip install "
                                          r"zstandard\)$"):
