@@ -14,8 +14,8 @@ a blank row, in a file that has them). Blank lines are dropped.
 What it guarantees:
 - a bad path (missing, an empty file, a glob or directory matching nothing) is one ValueError naming it,
   raised by resolve_files before anything is loaded or cached;
-- a file that is not UTF-8 text, holds NUL bytes, is a broken .jsonl or a fake .gz/.xz is one ValueError
-  naming that file, also when it is one of many in a directory;
+- a file that is not UTF-8 text (a .jsonl or .parquet row too), holds NUL bytes, is a broken .jsonl or a fake
+  .gz/.xz/.zst is one ValueError naming that file (and row), also when it is one of many in a directory;
 - a file name that looks like a pattern (b[1].txt) is read as that file, never as the files it matches;
 - an unreachable hub (offline) is one line naming the way out (--data FILE), not a page of retries;
 - a cache that cannot be written (full, over a quota, read-only) is one OSError naming it, never blamed on
@@ -301,17 +301,35 @@ def _doc_pieces(rows, state):
             yield None
             yield text
 
+def _batches(ds, name):
+    """ds's "text" in batches of BATCH_ROWS rows; a string that is not UTF-8 (pyarrow's JSON reader lets one
+    through, to fail when Python reads it) is one ValueError naming the file, as the text reader's."""
+    row = 0
+    try:
+        for batch in ds.iter(batch_size=BATCH_ROWS):
+            yield batch["text"]
+            row += len(batch["text"])
+    except UnicodeDecodeError as e:
+        for row in range(row, min(row + BATCH_ROWS, len(ds))):  # the row to blame (error path only)
+            try:
+                ds[row]
+            except UnicodeDecodeError as e_row:
+                e = e_row
+                break
+        raise ValueError(f"cannot read {name}: row {row + 1} is not UTF-8 text ({e.reason} at byte {e.start} of "
+                         f"its text): convert the file with iconv -t UTF-8") from None
+
 def pieces(parts, progress=None):
     """Yield batches of text pieces in corpus order; None = document boundary (never first or twice).
     progress: a tqdm bar, advanced by the rows read."""
     started = False
     for kind, ds, name in parts:
         boundary, state = True, {}  # every file starts a document
-        for batch in ds.iter(batch_size=BATCH_ROWS):
-            if any(text and "\x00" in text for text in batch["text"]):  # valid UTF-8, but not text
+        for batch in _batches(ds, name):
+            if any(text and "\x00" in text for text in batch):  # valid UTF-8, but not text
                 raise ValueError(f"cannot read {name}: NUL bytes in the text (a binary file?)")
             out = []
-            for piece in (_line_pieces if kind == "lines" else _doc_pieces)(batch["text"], state):
+            for piece in (_line_pieces if kind == "lines" else _doc_pieces)(batch, state):
                 if piece is None:
                     boundary = True
                     continue
@@ -321,4 +339,4 @@ def pieces(parts, progress=None):
                 out.append(piece)
             yield out
             if progress is not None:
-                progress.update(len(batch["text"]))
+                progress.update(len(batch))

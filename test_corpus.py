@@ -334,6 +334,20 @@ def test_a_bad_file_among_good_ones_is_named_alone(tok_dir, tmp_path):
     assert "latin1.txt" in str(info.value) and "good.txt" not in str(info.value)
 
 
+def test_a_jsonl_or_parquet_row_that_is_not_utf8_is_named(tok_dir, tmp_path):
+    # pyarrow's JSON reader takes a Latin-1 row into a string column; reading it failed with a bare
+    # "'utf-8' codec can't decode byte 0xe9 in position 3" naming neither the file nor the row
+    import pyarrow as pa, pyarrow.parquet as pq
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "good.jsonl").write_text('{"text": "fine words"}\n' * 3)
+    (tmp_path / "corpus" / "latin1.jsonl").write_bytes(b'{"text": "fine"}\n' * 2 + '{"text": "café"}\n'.encode("latin-1"))
+    pq.write_table(pa.table({"text": pa.array([b"fine", b"caf\xe9 au lait"]).view(pa.string())}), tmp_path / "a.parquet")
+    for path, culprit, row in [(tmp_path / "corpus", "latin1.jsonl", 3), (tmp_path / "a.parquet", "a.parquet", 2)]:
+        for tokenizer in (tok_dir, None):  # tokenizing, or training a tokenizer first
+            with pytest.raises(ValueError, match=rf"^cannot read \S*{culprit}: row {row} is not UTF-8 text \(.*iconv"):
+                data.prepare_data(str(path), tmp_path / "cache", tokenizer=tokenizer, vocab_size=100)
+
+
 def test_many_files_load_in_groups_in_their_order(tmp_path, monkeypatch):
     # one load_dataset call for all files copied every split's info per split: 2,000 small files took 100 s
     for i in range(7):
