@@ -7,7 +7,8 @@ What it reads: a `datasets` hub name ("wikitext:wikitext-103-raw-v1" = load_data
 "wikitext-103-raw-v1")) or a local file / directory / glob of .txt .raw .jsonl .parquet, optionally
 .xz/.gz/.bz2/.zst compressed (text we decompress into the cache first, datasets the rest; .zst needs the
 zstandard package); a directory's hidden files and folders (.name) are skipped and linked folders followed
-(each real one once). A document starts at each file, each jsonl/parquet row, each WikiExtractor `<doc ...>`
+(each real one once). A file named (by its path or a glob) with another suffix is text, or JSON Lines when it is
+.json or starts with a JSON object (WikiExtractor --json); .csv and .tsv are refused. A document starts at each file, each jsonl/parquet row, each WikiExtractor `<doc ...>`
 line (the <doc>/</doc> lines themselves are dropped) and each WikiText top-level heading ` = Title = ` (after
 a blank row, in a file that has them). Blank lines are dropped.
 
@@ -83,12 +84,31 @@ def quiet_hub():
         hub_log.setLevel(level)
 
 
-def _builder(path):
-    """datasets builder for a file name ("text"/"json"/"parquet"), None if unknown."""
+def _suffix(path):
+    """A file name's suffix, lower case, under any compression suffix: a.JSONL.gz -> .jsonl."""
     name = path.name.lower()
     for ext in COMPRESSIONS:
         name = name.removesuffix(ext)
-    return BUILDERS.get(Path(name).suffix)
+    return Path(name).suffix
+
+def _builder(path):
+    """datasets builder for a file name ("text"/"json"/"parquet"), None if unknown."""
+    return BUILDERS.get(_suffix(path))
+
+def json_lines(path):
+    """Whether a file that --data names (a file, a glob) but no corpus suffix marks is JSON Lines: a .json file
+    (Dataset.to_json's name) or text that starts with a JSON object (WikiExtractor --json's wiki_00). Read as
+    text, its JSON syntax, field names and URLs were trained on, its documents one."""
+    if _builder(path):
+        return False
+    if _suffix(path) == ".json":
+        return True
+    try:
+        with DECOMPRESS.get(path.suffix, open)(path, "rb") as f:
+            head = f.read(64)
+    except (ValueError, *BROKEN):  # a broken file fails again where it is read, with its own error
+        return False
+    return head.removeprefix(b"\xef\xbb\xbf").lstrip().startswith(b'{"')
 
 def _files_below(path):
     """The files below a folder: hidden files and folders (.ipynb_checkpoints/, macOS ._a.txt) skipped, as a glob's
@@ -124,6 +144,9 @@ def resolve_files(data):
     for f in files:
         if f.stat().st_size == 0:
             raise ValueError(f"empty data file: {f}")
+        if _suffix(f) in (".csv", ".tsv"):  # read as text, its header, quotes and columns were trained on
+            raise ValueError(f"{f}: a {_suffix(f)} file is not read; convert it to .jsonl or .parquet with a 'text' "
+                             f"field, one document a row")
     return files
 
 def read_text(path):
@@ -257,7 +280,7 @@ def load_corpus(data, files, cache_dir):
         return [("lines" if name.endswith("wikitext") else "docs", ds.select_columns(["text"]), data)]
     # one split per file, so file boundaries stay visible; one load_dataset call per builder and group of
     # FILES_PER_LOAD files: each split copies its call's info of all splits (1,000 files in one call: 30 s)
-    builders = [_builder(f) or "text" for f in files]  # an explicitly named odd suffix reads as text
+    builders = [_builder(f) or ("json" if json_lines(f) else "text") for f in files]  # a named odd suffix: text
     splits = {}
     for i, (f, builder) in enumerate(zip(files, builders)):
         splits.setdefault((builder, i // FILES_PER_LOAD), {})[f"file{i}"] = str(f)

@@ -365,6 +365,33 @@ def test_many_files_load_in_groups_in_their_order(tmp_path, monkeypatch):
     assert [name for _, name, _ in whole] == [str(f) for f in files] and whole[1][2] == ["line a of 1", "line b of 1"]
 
 
+def test_named_json_lines_read_as_json_lines_and_csv_is_refused(tok_dir, tmp_path):
+    # a .json file (Dataset.to_json's name) and WikiExtractor --json's wiki_00, named, were read as text: the JSON
+    # syntax, field names and URLs were trained on, every row one document; a .csv or .tsv too, header and all
+    rows = [{"id": str(i), "url": f"https://en.wikipedia.org/wiki?curid={i}", "title": t,
+             "text": f"{t}\n\n{_paragraph(i)}"} for i, t in enumerate(TITLES)]
+    lines = "".join(json.dumps(r) + "\n" for r in rows)
+    (tmp_path / "AA").mkdir()
+    for name in ("a.jsonl", "a.json", "AA/wiki_00"):
+        (tmp_path / name).write_text(lines)
+    (tmp_path / "AA" / "wiki_01.bz2").write_bytes(bz2.compress(("\ufeff " + lines).encode()))
+    tok, expected = _stream(tok_dir, tmp_path / "a.jsonl", tmp_path)
+    assert (expected == data.special_token_ids(tok)["sep"]).sum() == len(TITLES) - 1
+    for name in ("a.json", "AA/wiki_00", "AA/wiki_0[0]", "AA/wiki_01.bz2"):
+        assert np.array_equal(_stream(tok_dir, tmp_path / name, tmp_path)[1], expected), name
+    # their token files of the text they were read as are not reused: the key says how a file is read
+    f = tmp_path / "a.json"
+    assert token_files.corpus_key(str(f), [f]) != token_files._hash([[(str(f), f.stat().st_size, f.stat().st_mtime_ns,
+                                                                       token_files._ends(f))], 1])
+    (tmp_path / "AA" / "wiki_02").write_text("{{Infobox person | name = Ada}}\n")  # wiki markup is text
+    assert not corpus.json_lines(tmp_path / "AA" / "wiki_02")
+    (tmp_path / "a.csv").write_text("id,text\n1,some words\n")
+    (tmp_path / "t.tsv.gz").write_bytes(gzip.compress(b"id\ttext\n1\tsome words\n"))
+    for name in ("a.csv", "t.tsv.gz", "*.*"):
+        with pytest.raises(ValueError, match=r"\.(csv|tsv) file is not read; convert it to \.jsonl or \.parquet"):
+            data.prepare_data(str(tmp_path / name), tmp_path / "cache", tokenizer=tok_dir)
+
+
 def test_a_file_without_a_text_field_is_named(tok_dir, tmp_path):
     (tmp_path / "a.jsonl").write_text('{"body": "the river"}\n')
     with pytest.raises(ValueError, match=re.escape(f"no 'text' field in {tmp_path / 'a.jsonl'}")):
