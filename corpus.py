@@ -7,7 +7,7 @@ What it reads: a `datasets` hub name ("wikitext:wikitext-103-raw-v1" = load_data
 "wikitext-103-raw-v1")) or a local file / directory / glob of .txt .raw .jsonl .parquet, optionally
 .xz/.gz/.bz2/.zst compressed (text we decompress into the cache first, datasets the rest; .zst needs the
 zstandard package); a directory's hidden files and folders (.name) are skipped and linked folders followed
-(each real one once). A file named (by its path or a glob) with another suffix is text, or JSON Lines when it is
+(each real one once, as each real file). A file named (by its path or a glob) with another suffix is text, or JSON Lines when it is
 .json or starts with a JSON object (WikiExtractor --json); .csv and .tsv are refused. A document starts at each file, each jsonl/parquet row, each WikiExtractor `<doc ...>`
 line (the <doc>/</doc> lines themselves are dropped) and each WikiText top-level heading ` = Title = ` (after
 a blank row, in a file that has them). Blank lines are dropped.
@@ -123,15 +123,20 @@ def _files_below(path):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))  # sorted: the same link read first each time
         yield from (Path(folder, n) for n in names if not n.startswith(".") and os.path.isfile(os.path.join(folder, n)))
 
+def _once(files):
+    """files with each real file once: a link to a file that is read anyway (latest.txt -> v2.txt) is not read twice."""
+    seen = set()
+    return [f for f in files if (real := os.path.realpath(f)) not in seen and not seen.add(real)]
+
 def resolve_files(data):
     """Local files for `data` in sorted order, or None when `data` is a hub dataset name."""
     path = Path(data).expanduser()
     if not path.exists() and any(c in data for c in "*?["):  # a path that exists is a path, "[" or not
-        files = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
+        files = _once(sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file()))
         if not files:
             raise ValueError(f"no files match {data}")
     elif path.is_dir():
-        files = sorted(p for p in _files_below(path) if _builder(p))
+        files = _once(sorted(p for p in _files_below(path) if _builder(p)))
         if not files:
             raise ValueError(f"no .txt/.raw/.jsonl/.parquet files (optionally .xz/.gz/.bz2/.zst) in {data}; a glob "
                              f"names files of any name (WikiExtractor's: --data '{data.rstrip('/')}/*/wiki_*')")

@@ -191,6 +191,18 @@ def test_a_directory_follows_linked_folders_once(tmp_path):
     (tmp_path / "corpus" / "loop").symlink_to(tmp_path / "corpus")
     assert corpus.resolve_files(str(tmp_path / "corpus")) == [tmp_path / "corpus" / "AA" / "a.txt",
                                                                tmp_path / "corpus" / "b.txt"]
+    # a linked file whose target is read anyway (latest.txt -> b.txt) was read twice; one elsewhere is read
+    (tmp_path / "corpus" / "latest.txt").symlink_to(tmp_path / "corpus" / "b.txt")
+    (tmp_path / "corpus" / "z.txt").symlink_to(tmp_path / "shards" / "AA" / "a.txt")
+    (tmp_path / "other.txt").write_text("words from elsewhere\n")
+    (tmp_path / "corpus" / "other.txt").symlink_to(tmp_path / "other.txt")
+    expected = [tmp_path / "corpus" / n for n in ("AA/a.txt", "b.txt", "other.txt")]
+    assert corpus.resolve_files(str(tmp_path / "corpus")) == expected
+    assert corpus.resolve_files(str(tmp_path / "corpus" / "*.txt")) == [tmp_path / "corpus" / n for n in
+                                                                       ("b.txt", "other.txt", "z.txt")]
+    # a ** glob follows the loop and both links to AA: each file was read up to 40 times
+    assert sorted(os.path.realpath(f) for f in corpus.resolve_files(str(tmp_path / "corpus" / "**" / "*.txt"))) == \
+        sorted(os.path.realpath(f) for f in expected)
 
 
 def test_brackets_in_a_path_are_not_a_pattern(tmp_path, monkeypatch):
