@@ -53,6 +53,8 @@ WIKITEXT_HEADING = re.compile(r"^ = [^=].* =\s*$")  # top-level only: " == Secti
 FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a full disk, a quota, a file-size limit (ulimit -f)
 FILES_PER_LOAD = 25  # files per datasets.load_dataset call (see load_corpus)
 BATCH_ROWS = 2000  # rows per encode_batch call: large enough to keep every core busy
+PIECE_CHARS = 1 << 18  # a longer line or row is cut before a space into pieces about this long (see _cut)
+BATCH_CHARS = 1 << 22  # and a batch of pieces ends at this many characters: one enormous line is many batches
 
 
 def _open_zst(path, mode="rb"):
@@ -329,6 +331,18 @@ def _doc_pieces(rows, state):
             yield None
             yield text
 
+def _cut(text):
+    """text in pieces of at most PIECE_CHARS characters, each cut before a space (a text without one is left
+    whole): the same words, so the same WordPiece tokens and vocabulary, but one enormous line (text8 has no
+    newline) no longer holds its whole encoding in memory at once (a 30 MB line peaked at 3.4 GB) on one core."""
+    while len(text) > PIECE_CHARS:
+        cut = text.rfind(" ", PIECE_CHARS // 2, PIECE_CHARS)
+        if cut < 0:
+            break
+        yield text[:cut]
+        text = text[cut:]
+    yield text
+
 def _batches(ds, name):
     """ds's "text" in batches of BATCH_ROWS rows; a string that is not UTF-8 (pyarrow's JSON reader lets one
     through, to fail when Python reads it) is one ValueError naming the file, as the text reader's."""
@@ -356,7 +370,7 @@ def pieces(parts, progress=None):
         for batch in _batches(ds, name):
             if any(text and "\x00" in text for text in batch):  # valid UTF-8, but not text
                 raise ValueError(f"cannot read {name}: NUL bytes in the text (a binary file?)")
-            out = []
+            out, chars = [], 0
             for piece in (_line_pieces if kind == "lines" else _doc_pieces)(batch, state):
                 if piece is None:
                     boundary = True
@@ -364,7 +378,12 @@ def pieces(parts, progress=None):
                 if boundary and started:
                     out.append(None)
                 boundary, started = False, True
-                out.append(piece)
+                for cut in _cut(piece):
+                    out.append(cut)
+                    chars += len(cut)
+                    if chars >= BATCH_CHARS:  # a document's pieces are concatenated: any cut between them is exact
+                        yield out
+                        out, chars = [], 0
             yield out
             if progress is not None:
                 progress.update(len(batch))

@@ -360,6 +360,20 @@ def test_a_jsonl_or_parquet_row_that_is_not_utf8_is_named(tok_dir, tmp_path):
                 data.prepare_data(str(path), tmp_path / "cache", tokenizer=tokenizer, vocab_size=100)
 
 
+def test_one_enormous_line_is_read_in_bounded_batches_of_the_same_tokens(tmp_path, monkeypatch):
+    # a corpus without newlines (text8) was one piece, encoded at once: a 30 MB line peaked at 3.4 GB, on one core
+    text = " ".join(_paragraph(i) for i in range(40))  # one line of ~14k characters
+    (tmp_path / "a.txt").write_text(text)
+    whole = data.prepare_data(str(tmp_path / "a.txt"), tmp_path / "whole", vocab_size=200, val_fraction=0)
+    monkeypatch.setattr(corpus, "PIECE_CHARS", 300, raising=False)
+    monkeypatch.setattr(corpus, "BATCH_CHARS", 1000, raising=False)
+    batches = list(corpus.pieces(corpus.load_corpus(str(tmp_path / "a.txt"), [tmp_path / "a.txt"], tmp_path / "c")))
+    assert len(batches) > 5 and max(sum(map(len, b)) for b in batches) < 1000 + 300
+    assert "".join(p for b in batches for p in b) == text  # cut before spaces, nothing lost
+    cut = data.prepare_data(str(tmp_path / "a.txt"), tmp_path / "cut", vocab_size=200, val_fraction=0)
+    assert cut[0].get_vocab() == whole[0].get_vocab() and np.array_equal(cut[1], whole[1])
+
+
 def test_many_files_load_in_groups_in_their_order(tmp_path, monkeypatch):
     # one load_dataset call for all files copied every split's info per split: 2,000 small files took 100 s
     for i in range(7):
