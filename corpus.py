@@ -7,10 +7,11 @@ What it reads: a `datasets` hub name ("wikitext:wikitext-103-raw-v1" = load_data
 "wikitext-103-raw-v1")) or a local file / directory / glob of .txt .raw .jsonl .parquet, optionally
 .xz/.gz/.bz2/.zst compressed (text we decompress into the cache first, datasets the rest; .zst needs the
 zstandard package); a directory's hidden files and folders (.name) are skipped and linked folders followed
-(each real one once, as each real file). A file named (by its path or a glob) with another suffix is text, or JSON Lines when it is
-.json or starts with a JSON object (WikiExtractor --json); .csv and .tsv are refused. A document starts at each file, each jsonl/parquet row, each WikiExtractor `<doc ...>`
-line (the <doc>/</doc> lines themselves are dropped) and each WikiText top-level heading ` = Title = ` (after
-a blank row, in a file that has them). Blank lines are dropped.
+(each real one once, as each real file). A file named (by its path or a glob) with another suffix is text,
+or JSON Lines when it is .json or starts with a JSON object (WikiExtractor --json); .csv and .tsv are refused.
+A document starts at each file, each jsonl/parquet row, each WikiExtractor `<doc ...>` line (the <doc>/</doc>
+lines themselves are dropped) and each WikiText top-level heading ` = Title = ` (after a blank row, in a file
+that has them). Blank lines are dropped.
 
 What it guarantees:
 - a bad path (missing, an empty file, a glob or directory matching nothing) is one ValueError naming it,
