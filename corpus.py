@@ -4,9 +4,9 @@ boundaries marked. The algorithm does not need this module: data.prepare_data ca
 pieces only when its token cache (token_files.py) misses, and any list of strings would do.
 
 What it reads: a `datasets` hub name ("wikitext:wikitext-103-raw-v1" = load_dataset("wikitext",
-"wikitext-103-raw-v1")) or a local file / directory / glob of .txt .raw .jsonl .parquet, optionally
-.xz/.gz/.bz2/.zst compressed (text we decompress into the cache first, datasets the rest; .zst needs the
-zstandard package); a directory's hidden files and folders (.name) are skipped and linked folders followed
+"wikitext-103-raw-v1")) or a local file / directory / glob of .txt .raw .jsonl .parquet .arrow (a datasets
+save_to_disk folder holds .arrow files), optionally .xz/.gz/.bz2/.zst compressed (text we decompress into the
+cache first, datasets the rest; .zst needs the zstandard package); a directory's hidden files and folders (.name) are skipped and linked folders followed
 (each real one once, as each real file). A file named (by its path or a glob) with another suffix is text,
 or JSON Lines when it is .json or starts with a JSON object (WikiExtractor --json); .csv and .tsv are refused.
 A document starts at each file, each jsonl/parquet row, each WikiExtractor `<doc ...>` line (the <doc>/</doc>
@@ -48,7 +48,8 @@ except ImportError:
 # data.DEFAULT_DATA: the WikiText-2 raw test split, 1.3 MB of real Wikipedia text (0.37 MB as .xz), enough
 # for smoke runs and tests without a network
 SAMPLE_CORPUS = str(Path(__file__).resolve().parent / "assets" / "wikitext2_test.raw.xz")
-BUILDERS = {".txt": "text", ".raw": "text", ".jsonl": "json", ".parquet": "parquet"}  # no .json: dirs hold configs
+BUILDERS = {".txt": "text", ".raw": "text", ".jsonl": "json", ".parquet": "parquet",
+            ".arrow": "arrow"}  # .arrow: a datasets save_to_disk folder; no .json: dirs hold configs
 COMPRESSIONS = (".xz", ".gz", ".bz2", ".zst")
 WIKITEXT_HEADING = re.compile(r"^ = [^=].* =\s*$")  # top-level only: " == Section == " stays in the doc
 FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a full disk, a quota, a file-size limit (ulimit -f)
@@ -141,7 +142,7 @@ def resolve_files(data):
     elif path.is_dir():
         files = _once(sorted(p for p in _files_below(path) if _builder(p)))
         if not files:
-            raise ValueError(f"no .txt/.raw/.jsonl/.parquet files (optionally .xz/.gz/.bz2/.zst) in {data}; a glob "
+            raise ValueError(f"no .txt/.raw/.jsonl/.parquet/.arrow files (optionally .xz/.gz/.bz2/.zst) in {data}; a glob "
                              f"names files of any name (WikiExtractor's: --data '{data.rstrip('/')}/*/wiki_*')")
     elif path.is_file():
         files = [path]

@@ -42,7 +42,10 @@ def test_wikiextractor_markers_and_formats(tok_dir, tmp_path):
     (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     import pyarrow as pa, pyarrow.parquet as pq
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "a.parquet")
-    for name in ["a.txt.xz", "a.txt.gz", "a.jsonl", "a.parquet"]:
+    import datasets  # and a datasets save_to_disk folder (its .arrow files; a user's Dataset after .map, say)
+    datasets.Dataset.from_list(rows).save_to_disk(tmp_path / "saved", max_shard_size="1KB")
+    assert len(corpus.resolve_files(str(tmp_path / "saved"))) > 1  # several shards, read in their order
+    for name in ["a.txt.xz", "a.txt.gz", "a.jsonl", "a.parquet", "saved"]:
         assert np.array_equal(_stream(tok_dir, tmp_path / name, tmp_path)[1], stream), name
 
 
@@ -150,7 +153,7 @@ def test_each_bad_path_is_refused_before_loading(tmp_path, monkeypatch):
     (tmp_path / "nocorpus" / "notes.md").write_text("not a corpus suffix")
     for bad, problem in [("missing.txt", "data path not found"), ("./missing", "data path not found"),
                          (str(tmp_path / "missing"), "data path not found"), ("nothing*.txt", "no files match"),
-                         ("nocorpus", "no .txt/.raw/.jsonl/.parquet files (optionally .xz/.gz/.bz2/.zst)"),
+                         ("nocorpus", "no .txt/.raw/.jsonl/.parquet/.arrow files (optionally .xz/.gz/.bz2/.zst)"),
                          ("empty.txt", "empty data file"),
                          ("nocorpus", "a glob names files of any name (WikiExtractor's: --data 'nocorpus/*/wiki_*')")]:
         with pytest.raises(ValueError, match=re.escape(problem)):

@@ -1014,7 +1014,7 @@ def test_data_is_checked_before_anything_is_saved(tmp_path, monkeypatch):
         assert reproduce.data_problem(value), value
     for value in ("a.txt", "*.txt", "wikitext:wikitext-103-raw-v1", "user/corpus"):
         assert reproduce.data_problem(value) is None, value
-    assert "no .txt/.raw/.jsonl/.parquet files" in reproduce.data_problem("configs")
+    assert "no .txt/.raw/.jsonl/.parquet/.arrow files" in reproduce.data_problem("configs")
     assert subprocess.run([sys.executable, "-c", "import sys, reproduce; sys.exit('torch' in sys.modules)"],
                           cwd=HERE).returncode == 0  # it runs before device_run.py installs the wheels
 
