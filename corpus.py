@@ -6,12 +6,13 @@ pieces only when its token cache (token_files.py) misses, and any list of string
 What it reads: a `datasets` hub name ("wikitext:wikitext-103-raw-v1" = load_dataset("wikitext",
 "wikitext-103-raw-v1")) or a local file / directory / glob of .txt .raw .jsonl .parquet .arrow (a datasets
 save_to_disk folder holds .arrow files), optionally .xz/.gz/.bz2/.zst compressed (text we decompress into the
-cache first, datasets the rest; .zst needs the zstandard package); a directory's hidden files and folders (.name) are skipped and linked folders followed
-(each real one once, as each real file). A file named (by its path or a glob) with another suffix is text,
-or JSON Lines when it is .json or starts with a JSON object (WikiExtractor --json); .csv and .tsv are refused.
-A document starts at each file, each jsonl/parquet row, each WikiExtractor `<doc ...>` line (the <doc>/</doc>
-lines themselves are dropped) and each WikiText top-level heading ` = Title = ` (after a blank row, in a file
-that has them). Blank lines are dropped.
+cache first, datasets the rest; .zst needs the zstandard package); a directory's hidden files and folders
+(.name) are skipped and linked folders followed (each real one once, as each real file), and an .arrow file is
+read only beside save_to_disk's state.json. A file named (by its path or a glob) with another suffix is text, or
+JSON Lines when it is .json or starts with a JSON object (WikiExtractor --json); .csv and .tsv are refused. A
+document starts at each file, each jsonl/parquet row, each WikiExtractor `<doc ...>` line (the <doc>/</doc> lines
+themselves are dropped) and each WikiText top-level heading ` = Title = ` (after a blank row, in a file that has
+them). Blank lines are dropped.
 
 What it guarantees:
 - a bad path (missing, an empty file, a glob or directory matching nothing) is one ValueError naming it,
@@ -127,6 +128,11 @@ def _files_below(path):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))  # sorted: the same link read first each time
         yield from (Path(folder, n) for n in names if not n.startswith(".") and os.path.isfile(os.path.join(folder, n)))
 
+def _saved_or_not_arrow(path):
+    """An .arrow file is a corpus file in a save_to_disk folder (its state.json beside it), not in datasets' own
+    cache (a --cache_dir inside the data folder: hf/text/.../text-file0.arrow, our earlier reading of it)."""
+    return path.suffix != ".arrow" or (path.parent / "state.json").is_file()
+
 def _once(files):
     """files with each real file once: a link to a file that is read anyway (latest.txt -> v2.txt) is not read twice."""
     seen = set()
@@ -140,7 +146,7 @@ def resolve_files(data):
         if not files:
             raise ValueError(f"no files match {data}")
     elif path.is_dir():
-        files = _once(sorted(p for p in _files_below(path) if _builder(p)))
+        files = _once(sorted(p for p in _files_below(path) if _builder(p) and _saved_or_not_arrow(p)))
         if not files:
             raise ValueError(f"no .txt/.raw/.jsonl/.parquet/.arrow files (optionally .xz/.gz/.bz2/.zst) in {data}; a glob "
                              f"names files of any name (WikiExtractor's: --data '{data.rstrip('/')}/*/wiki_*')")
@@ -371,7 +377,8 @@ def pieces(parts, progress=None):
         boundary, state = True, {}  # every file starts a document
         for batch in _batches(ds, name):
             if any(text and "\x00" in text for text in batch):  # valid UTF-8, but not text
-                raise ValueError(f"cannot read {name}: NUL bytes in the text (a binary file?)")
+                raise ValueError(f"cannot read {name}: NUL bytes in the text (a binary file?" + (")" if kind == "lines"
+                                 else ", or a row with a \\u0000: remove it)"))
             out, chars = [], 0
             for piece in (_line_pieces if kind == "lines" else _doc_pieces)(batch, state):
                 if piece is None:

@@ -317,6 +317,7 @@ UNREADABLE = {  # file name -> (bytes, words the one-line error must contain)
     "latin1.txt": ("café au lait\n".encode("latin-1"), "not UTF-8"),
     "image.txt": (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(range(256)), "not UTF-8"),
     "nul.txt": (b"text\x00\x00\x00\x01\x02 more\n", "NUL bytes"),
+    "nul.jsonl": (b'{"text": "web text\\u0000 crawled"}\n', "or a row with a \\u0000: remove it"),  # escaped: valid JSON
     "broken.jsonl": (b'{"text": "fine"}\n{"text": "no closing quote}\n', "JSON parse error"),
     "fake.txt.gz": (b"plain text, not gzip\n", "Not a gzipped file"),
     "fake.txt.xz": (b"plain text, not xz\n", "LZMAError"),
