@@ -937,6 +937,14 @@ def test_random_sentence_pairs_are_two_distinct_sentences():
     assert out["num_random_pairs"] == 1
 
 
+def test_analysis_json_is_strict_json(tmp_path):
+    # a one-sentence context has no contextual score (NaN): json.dump wrote it bare, which jq and JSON.parse refuse
+    path = tmp_path / "analysis.json"
+    A._save_json({"contextual": {"intra": float("nan"), "ratios": [float("inf"), 0.5]}}, str(path))
+    assert json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"not strict JSON: {c}")) == {
+        "contextual": {"intra": None, "ratios": [None, 0.5]}}
+
+
 def test_sentence_similarity_histograms_share_each_columns_axis(tmp_path, monkeypatch):
     # COCO-LM Fig. 1 compares how squeezed the models' sentence vectors are: each panel scaled to its own values made
     # an MLM's [CLS] cosines in 0.97-1 look like a TACO's in 0.80-1
@@ -962,6 +970,7 @@ def test_few_sentences_give_each_random_pair_once():
     assert out["num_random_pairs"] == 45 and len(out["cls_random"]) == 45
     expected = sorted(cos(enc["mean"][i].tolist(), enc["mean"][j].tolist()) for i in range(10) for j in range(i + 1, 10))
     assert sorted(out["mean_random"]) == pytest.approx(expected, abs=1e-6)
+    assert sorted(A.random_sentence_pairs(enc, 45)["mean_random"]) == pytest.approx(expected, abs=1e-6)  # just 45
     enc = dict(cls=torch.randn(50, 4, generator=g), mean=torch.randn(50, 4, generator=g))
     assert A.random_sentence_pairs(enc, 1000)["num_random_pairs"] == 1000  # 1225 pairs: a seeded draw of 1000
 

@@ -655,6 +655,37 @@ def test_a_cache_that_cannot_take_the_decompressed_copy_is_blamed_not_the_corpus
         corpus.load_corpus(str(tmp_path / "a.txt.gz"), [tmp_path / "a.txt.gz"], tmp_path / "cache")
 
 
+def test_two_runs_decompressing_one_file_at_once_each_write_their_own_temporary_file(tmp_path, monkeypatch):
+    # two runs on one --cache_dir (two jobs, or a node's ranks) decompress the same .gz into one plain copy: a shared
+    # temporary name let the second truncate the file the first was writing, then rename it away under it
+    text = b"some text\n" * 1000
+    (tmp_path / "a.txt.gz").write_bytes(gzip.compress(text))
+    real_open, other = corpus.DECOMPRESS[".gz"], []
+
+    class Reader:  # the first run's source: the other run starts and finishes once it has begun writing
+        def __init__(self, f, mode):
+            self.f = real_open(f, mode)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def read(self, n):
+            if not other:
+                other.append("started")
+                with monkeypatch.context() as m:
+                    m.setitem(corpus.DECOMPRESS, ".gz", real_open)
+                    m.setattr(corpus.os, "getpid", lambda: os.getppid())  # another process
+                    other.append(corpus._decompressed(str(tmp_path / "a.txt.gz"), str(tmp_path / "hf")))
+            return self.f.read(n)
+    monkeypatch.setitem(corpus.DECOMPRESS, ".gz", Reader)
+    plain = corpus._decompressed(str(tmp_path / "a.txt.gz"), str(tmp_path / "hf"))
+    assert other[1] == plain and open(plain, "rb").read() == text
+    assert os.listdir(tmp_path / "hf" / "plain") == [os.path.basename(plain)]  # no temporary file left
+
+
 def test_a_zst_file_without_zstandard_names_the_package(tmp_path, monkeypatch):
     # .zst is read through the zstandard package (ours for text, datasets' for .jsonl), which requirements.txt omits
     import datasets

@@ -318,6 +318,37 @@ def test_torchrun_restarts_across_nodes_on_the_shared_store_get_a_note(capsys, m
     assert seen["store"] == 2
 
 
+def test_setup_meets_in_the_attempts_store_and_says_it_waits_only_while_it_waits(capsys, monkeypatch):
+    # restart_store's prefix (tested above alone) keeps a restart off the dead workers' keys only if setup hands that
+    # store to init_process_group; the join note comes after JOIN_NOTE of waiting, and never once the group has met
+    import datetime
+    import types
+    import distributed
+    import torch.distributed as dist
+    attempt, seen = object(), {}
+    monkeypatch.setattr(distributed, "restart_store", lambda world: attempt)
+    monkeypatch.setattr(dist, "new_group", lambda *a, **k: None)
+    monkeypatch.setattr(distributed.sys, "platform", "elsewhere")  # not this test process's parent-death signal
+    monkeypatch.setattr(distributed, "JOIN_NOTE", datetime.timedelta(seconds=0.02))
+    for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
+    for join_s, said in ((0.3, True), (0, False)):
+        monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: seen.update(k) or time.sleep(join_s))
+        distributed.setup(types.SimpleNamespace(device="cpu"))
+        time.sleep(0.15)  # past JOIN_NOTE: a note left running would print now, in a run that has started
+        err = capsys.readouterr().err
+        assert ("rank 0: waiting for all WORLD_SIZE=2 processes to join torchrun's rendezvous at 127.0.0.1:29500"
+                in err) is said, err
+        assert seen.pop("store") is attempt and seen.pop("rank") == 0 and seen.pop("world_size") == 2
+
+
+def test_strict_json_writes_every_non_finite_float_as_null():
+    import atomic  # in dicts, lists and tuples (json.dumps writes a tuple as a list, and a NaN in it bare)
+    obj = {"a": [1.0, float("nan")], "b": (float("inf"), {"c": -float("inf")}), "d": 2, "e": "nan"}
+    assert atomic.strict_json(obj) == '{"a": [1.0, null], "b": [null, {"c": null}], "d": 2, "e": "nan"}'
+
+
 def test_help_shows_the_chosen_preset(capsys):
     code, out, _ = run_main(["--preset", "small", "--help"], capsys)
     row = next(line for line in out.splitlines() if line.strip().startswith("--preset "))
@@ -1754,6 +1785,10 @@ def test_a_lost_peer_is_one_line_and_exit_1_and_an_own_error_keeps_its_traceback
         rundir.run_main(peer_died, argv, usage="")
     assert capsys.readouterr().err.endswith("the last checkpoint stands: torchrun restarts the job (2 restart(s) "
                                             "left), which goes on from it where the command has --resume auto\n")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")  # its last attempt: torchrun restarts it no more
+    with pytest.raises(SystemExit):
+        rundir.run_main(peer_died, argv, usage="")
+    assert capsys.readouterr().err.endswith(f"the last checkpoint stands: rerun with --resume {tmp_path / 'run'}\n")
 
     def own_error(cfg, ckpt):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")

@@ -143,6 +143,7 @@ def test_a_preset_shortened_to_near_its_warm_up_gets_a_note():
     warmup = lambda *argv: config.parse_args(["--preset", "tacl", *argv])[0].warmup_steps
     assert (warmup(), warmup("--max_steps", "40000"), warmup("--max_steps", "40000", "--warmup_steps", "15000")) == (
         15_000, 4_000, 15_000)
+    assert note("--preset", "small", "--max_steps", "3000", "--resume", "out/small") == []  # a resume: a new run's note
 
 
 def test_help_lists_fields_with_comments():
@@ -778,12 +779,29 @@ def test_every_rank_runs_the_same_code_and_read_the_same_tokens(monkeypatch, tmp
         with pytest.raises(ValueError, match=message):
             rundir.Run(cfg, layout, None, "A")
     seen = []  # what a node with its own paths and device gathers: the same flags as rank 0's
-    node1 = dataclasses.replace(cfg, data="/node1/wiki", cache_dir="/node1/cache", out_dir="/mnt/out", device="cuda")
+    node1 = dataclasses.replace(cfg, data="/node1/wiki", tokenizer="/node1/tok", cache_dir="/node1/cache",
+                                out_dir="/mnt/out", resume="/mnt/out", init_from="/node1/bert", device="cuda",
+                                compile=not cfg.compile)
     monkeypatch.setattr(distributed, "every_rank", lambda layout, mine: seen.append(mine) or [mine])
     rundir.same_on_every_rank(node1, layout, "A")
     peers["values"] = [seen[0]] * 2
     monkeypatch.setattr(distributed, "every_rank", lambda layout, mine: [mine, *peers["values"]])
     assert seen[0][1] == flags and rundir.Run(cfg, layout, None, "A").fingerprint == "A"
+
+
+def test_a_node_that_would_start_from_another_step_stops_before_any_data_is_read(corpus, tmp_path, monkeypatch,
+                                                                                 capsys):
+    # train.py checks code, flags and step on every node before tokenizing: a node without the shared ckpt.pt (a new
+    # run under --resume auto) met the check only after hours of tokenizing Wikipedia, or trained its own tokenizer
+    import data
+    import distributed
+    monkeypatch.setattr(distributed, "every_rank", lambda layout, mine: [mine, (*mine[:3], 5000)])
+    read = []
+    monkeypatch.setattr(data, "prepare_data", lambda *a, **k: read.append(a) or pytest.fail("the data was read"))
+    with pytest.raises(SystemExit) as stop:
+        train.main(common(corpus, tmp_path))
+    assert stop.value.code == 2 and not read
+    assert "rank(s) 1 start from step 5000, rank 0 from a new run" in capsys.readouterr().err
 
 
 def test_ranks_agree_on_the_logged_mean_the_first_bad_step_and_a_stop(monkeypatch):
