@@ -426,8 +426,9 @@ def _load_project_checkpoint(path):
         model.load_state_dict(ckpt["model"])
     except RuntimeError as e:
         raise ValueError(f"{path}: weights do not match the model config ({' '.join(str(e).split())[:300]})") from None
-    run = ckpt.get("config")
-    model.fresh_head = isinstance(run, dict) and run.get("objective") in ("electra", "cocolm")  # head never trained
+    run = ckpt.get("config")  # the run's own word on its MLM head; before it was saved, the objectives that freeze it
+    trained = ckpt.get("mlm_head_trained", not (isinstance(run, dict) and run.get("objective") in ("electra", "cocolm")))
+    model.fresh_head = trained is not True
     model.training_step = ckpt.get("step")
     return model
 

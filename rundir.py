@@ -657,7 +657,8 @@ class Run:
                 atomic_save(dict(model=self.model.state_dict(), model_config=asdict(self.model_config),
                                  objective=self.objective.state_dict(), optimizer=self.optimizer.state_dict(),
                                  scaler=self.scaler.state_dict(), step=step, loader=self.train_loader.state_dict(),
-                                 elapsed_s=elapsed_s, config=asdict(cfg), data=self.fingerprint),
+                                 elapsed_s=elapsed_s, config=asdict(cfg), data=self.fingerprint,
+                                 mlm_head_trained=self.trains_head),  # hf_io: --init_from's ckpt.pt says so
                             os.path.join(cfg.out_dir, "ckpt.pt"))
                 self.saved_step = step
                 self.model.save_pretrained(cfg.out_dir, mlm_head=self.trains_head, step=step)

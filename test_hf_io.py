@@ -331,6 +331,10 @@ def test_a_detector_run_checkpoint_says_its_mlm_head_is_untrained(tmp_path):
         torch.save(dict(model=model.state_dict(), model_config=asdict(model.config), config={"objective": objective}),
                    str(tmp_path / "ckpt.pt"))
         assert Bert.from_pretrained(str(tmp_path / "ckpt.pt")).fresh_head is fresh, objective
+    for objective, trained in (("half_mlm", True), ("frozen_head", False), ("electra", False)):  # the run's own word
+        torch.save(dict(model=model.state_dict(), model_config=asdict(model.config), config={"objective": objective},
+                        mlm_head_trained=trained), str(tmp_path / "ckpt.pt"))
+        assert Bert.from_pretrained(str(tmp_path / "ckpt.pt")).fresh_head is not trained, objective
     torch.save(dict(model=model.state_dict(), model_config=asdict(model.config), step=9), str(tmp_path / "ckpt.pt"))
     assert Bert.from_pretrained(str(tmp_path / "ckpt.pt")).training_step == 9  # eval.py --model .../ckpt.pt
 

@@ -223,6 +223,8 @@ def test_an_added_objective_that_trains_the_mlm_head_is_told_when_init_from_has_
     for objective, told in (("half_mlm", True), ("mlm", True), ("cocolm", False)):  # COCO-LM never trains it
         train.main(common(corpus, tmp_path, out=objective, objective=objective, init_from=tmp_path / "electra", **short))
         assert (note in capsys.readouterr().out) is told, objective
+        ckpt = torch.load(tmp_path / objective / "ckpt.pt", weights_only=True)  # what --init_from a ckpt.pt reads
+        assert ckpt["mlm_head_trained"] is (objective != "cocolm"), objective
 
 
 def test_an_objective_added_by_copying_taco_keeps_its_pool_rules(monkeypatch):
