@@ -113,7 +113,7 @@ def json_lines(path):
             head = f.read(64)
     except (ValueError, *BROKEN):  # a broken file fails again where it is read, with its own error
         return False
-    return head.removeprefix(b"\xef\xbb\xbf").lstrip().startswith(b'{"')
+    return re.match(rb'\{\s*"', head.removeprefix(b"\xef\xbb\xbf").lstrip()) is not None  # {"id" or { "id"
 
 def _files_below(path):
     """The files below a folder: hidden files and folders (.ipynb_checkpoints/, macOS ._a.txt) skipped, as a glob's

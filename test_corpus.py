@@ -423,9 +423,10 @@ def test_named_json_lines_read_as_json_lines_and_csv_is_refused(tok_dir, tmp_pat
     for name in ("a.jsonl", "a.json", "AA/wiki_00"):
         (tmp_path / name).write_text(lines)
     (tmp_path / "AA" / "wiki_01.bz2").write_bytes(bz2.compress(("\ufeff " + lines).encode()))
+    (tmp_path / "AA" / "wiki_03").write_text(lines.replace('{"', '{ "'))  # a space after the brace: read as text
     tok, expected = _stream(tok_dir, tmp_path / "a.jsonl", tmp_path)
     assert (expected == data.special_token_ids(tok)["sep"]).sum() == len(TITLES) - 1
-    for name in ("a.json", "AA/wiki_00", "AA/wiki_0[0]", "AA/wiki_01.bz2"):
+    for name in ("a.json", "AA/wiki_00", "AA/wiki_0[0]", "AA/wiki_01.bz2", "AA/wiki_03"):
         assert np.array_equal(_stream(tok_dir, tmp_path / name, tmp_path)[1], expected), name
     # their token files of the text they were read as are not reused: the key says how a file is read
     f = tmp_path / "a.json"
