@@ -10,8 +10,9 @@ it), or a hub name (bert-base-uncased); save_tokenizer's directories load in tra
 
 Files in cache_dir (their names are part of the format: existing caches stay valid while they hold):
 - tokens-<key>.<dtype>.bin, the stream, and its sidecar tokens-<key>.<dtype>.json {"bytes", "checksum"};
-  key = the data files (path, size, mtime, first and last 4 KiB; "json" for one read as JSON Lines by its content,
-  corpus.json_lines) or the hub name, FORMAT_VERSION and the tokenizer's JSON;
+  key = the data files (path, size, mtime, first and last 4 KiB; "by content" for one read as text or JSON Lines
+  by its first bytes, corpus.read_by_content: their reading changed) or the hub name, FORMAT_VERSION and the
+  tokenizer's JSON;
 - tokenizer-<corpus key>-<vocab_size>/, the tokenizer trained on the corpus when no --tokenizer is given (a
   FORMAT_VERSION bump keeps it: it changes the stream, not the training);
 - .NAME.lock, the lock for NAME; NAME.tmpPID, what a writer writes before the rename.
@@ -192,7 +193,7 @@ def corpus_key(data, files):
     """The cache key of the corpus: its files' paths, sizes, mtimes and ends (files = corpus.resolve_files(data)),
     or the hub name."""
     stats = [data] if files is None else [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns, _ends(f))
-                                          + (("json",) if corpus.json_lines(f) else ()) for f in files]
+                                          + (("by content",) if corpus.read_by_content(f) else ()) for f in files]
     return _hash([stats, CORPUS_KEY_VERSION])  # 1: the value FORMAT_VERSION had here, so trained tokenizers stay
 
 def _ends(path, n=1 << 12):
