@@ -345,14 +345,16 @@ def _doc_pieces(rows, state):
             yield text
 
 def _cut(text):
-    """text in pieces of at most PIECE_CHARS characters, each cut before a space (a text without one is left
-    whole): the same words, so the same WordPiece tokens and vocabulary, but one enormous line (text8 has no
+    """text in pieces of at most PIECE_CHARS characters (or up to the space that ends a longer stretch without
+    one), each cut before a space (a text without one is left whole): the same words, so the same WordPiece tokens and vocabulary, but one enormous line (text8 has no
     newline) no longer holds its whole encoding in memory at once (a 30 MB line peaked at 3.4 GB) on one core."""
     start = 0  # the rest is text[start:], never copied: a copy per piece was quadratic (300 MB: 120 s)
     while len(text) - start > PIECE_CHARS:
         cut = text.rfind(" ", start + PIECE_CHARS // 2, start + PIECE_CHARS)
-        if cut < 0:
-            break
+        if cut < 0:  # a long stretch without a space (a URL, a table): cut at the next space after it
+            cut = text.find(" ", start + PIECE_CHARS)
+            if cut < 0:
+                break
         yield text[start:cut]
         start = cut
     yield text[start:]  # the whole text itself when it was not cut

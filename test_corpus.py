@@ -394,6 +394,10 @@ def test_cutting_a_line_copies_one_piece_at_a_time(monkeypatch):
     finally:
         tracemalloc.stop()
     assert total == len(text) and longest <= 1000 and peak < 10 * 1000  # the line's tail: 390,000
+    # a stretch without a space (a long URL, a table's row) ended the cutting: the rest of the line was one piece
+    text = "x" * 3000 + " " + "".join(f"w{i % 97} " for i in range(10_000))
+    pieces = list(corpus._cut(text))
+    assert "".join(pieces) == text and len(pieces[0]) == 3000 and max(map(len, pieces[1:])) <= 1000
 
 
 def test_many_files_load_in_groups_in_their_order(tmp_path, monkeypatch):
