@@ -133,10 +133,10 @@ def _files_below(path):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))  # sorted: the same link read first each time
         yield from (Path(folder, n) for n in names if not n.startswith(".") and os.path.isfile(os.path.join(folder, n)))
 
-def _saved_or_not_arrow(path):
+def _saved_arrow_or_other(path):
     """An .arrow file is a corpus file in a save_to_disk folder (its state.json beside it), not in datasets' own
     cache (a --cache_dir inside the data folder: hf/text/.../text-file0.arrow, our earlier reading of it)."""
-    return path.suffix != ".arrow" or (path.parent / "state.json").is_file()
+    return _suffix(path) != ".arrow" or (path.parent / "state.json").is_file()
 
 def _once(files):
     """files with each real file once: a link to a file that is read anyway (latest.txt -> v2.txt) is not read twice."""
@@ -151,7 +151,7 @@ def resolve_files(data):
         if not files:
             raise ValueError(f"no files match {data}")
     elif path.is_dir():
-        files = _once(sorted(p for p in _files_below(path) if _builder(p) and _saved_or_not_arrow(p)))
+        files = _once(sorted(p for p in _files_below(path) if _builder(p) and _saved_arrow_or_other(p)))
         if not files:
             raise ValueError(f"no .txt/.raw/.jsonl/.parquet/.arrow files (optionally .xz/.gz/.bz2/.zst) in {data}; a glob "
                              f"names files of any name (WikiExtractor's: --data '{data.rstrip('/')}/*/wiki_*')")
