@@ -153,8 +153,8 @@ def resolve_files(data):
     elif path.is_dir():
         files = _once(sorted(p for p in _files_below(path) if _builder(p) and _saved_arrow_or_other(p)))
         if not files:
-            raise ValueError(f"no .txt/.raw/.jsonl/.parquet/.arrow files (optionally .xz/.gz/.bz2/.zst) in {data}; a glob "
-                             f"names files of any name (WikiExtractor's: --data '{data.rstrip('/')}/*/wiki_*')")
+            raise ValueError(f"no .txt/.raw/.jsonl/.parquet/.arrow files (optionally .xz/.gz/.bz2/.zst) in {data}; "
+                             f"a glob names files of any name (WikiExtractor's: --data '{data.rstrip('/')}/*/wiki_*')")
     elif path.is_file():
         files = [path]
     elif data.startswith(("/", ".", "~")) or _builder(path):
@@ -346,8 +346,9 @@ def _doc_pieces(rows, state):
 
 def _cut(text):
     """text in pieces of at most PIECE_CHARS characters (or up to the space that ends a longer stretch without
-    one), each cut before a space (a text without one is left whole): the same words, so the same WordPiece tokens and vocabulary, but one enormous line (text8 has no
-    newline) no longer holds its whole encoding in memory at once (a 30 MB line peaked at 3.4 GB) on one core."""
+    one), each cut before a space (a text without one is left whole): the same words, so the same WordPiece tokens
+    and vocabulary, but one enormous line (text8 has no newline) no longer holds its whole encoding in memory at
+    once (a 30 MB line peaked at 3.4 GB) on one core."""
     start = 0  # the rest is text[start:], never copied: a copy per piece was quadratic (300 MB: 120 s)
     while len(text) - start > PIECE_CHARS:
         cut = text.rfind(" ", start + PIECE_CHARS // 2, start + PIECE_CHARS)
