@@ -300,7 +300,7 @@ def load_corpus(data, files, cache_dir):
         return [("lines" if name.endswith("wikitext") else "docs", ds.select_columns(["text"]), data)]
     # one split per file, so file boundaries stay visible; one load_dataset call per builder and group of
     # FILES_PER_LOAD files: each split copies its call's info of all splits (1,000 files in one call: 30 s)
-    builders = [_builder(f) or ("json" if json_lines(f) else "text") for f in files]  # a named odd suffix: text
+    builders = [_builder(f) or ("json" if json_lines(f) else "text") for f in files]  # a named odd suffix: by content
     splits = {}
     for i, (f, builder) in enumerate(zip(files, builders)):
         splits.setdefault((builder, i // FILES_PER_LOAD), {})[f"file{i}"] = str(f)
