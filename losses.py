@@ -264,7 +264,7 @@ class TACO(nn.Module):
         # draw one positive and K negatives per position; stop-gradient on both unless taco_stop_grad is off
         positive, negatives = taco_samples(valid, self.window, self.num_negatives, rng, pool)
         keys = (g.detach() if self.stop_grad else g).flatten(0, 1)  # (B*T, D), in g's dtype; upcast per chunk
-        with torch.autocast(x.device.type, enabled=False):  # fp32: bf16 cosines / tau lose ~2 digits (fidelity note 11)
+        with torch.autocast(x.device.type, enabled=False):  # fp32: 1/tau = 14 magnifies bf16 rounding (note 11)
             g = upcast(g)
             pos_cos = (g * upcast(keys[positive])).sum(-1)  # (B, T)
             # = (g[:, :, None] * keys[negatives]).sum(-1), without that (B, T, K, D) tensor (3.4 GB at b256 s128)
@@ -309,7 +309,7 @@ class TaCL(nn.Module):
         x, attention_mask = batch["input_ids"], batch.get("attention_mask")
         B = x.size(0)
         valid = non_pad(x, attention_mask)
-        # student: MLM on the masked input (official TaCL: a fixed count min(0.25 max_len, round(0.15 len)),
+        # student: MLM on the masked input (official TaCL: a fixed count min(0.25 max_len, max(1, round(0.15 len))),
         # len counting [CLS]/[SEP]; ours round(0.15 eligible): the same at 128 and 256 tokens (fidelity note 6)
         corrupted, positions, labels = mask_tokens(x, model.config, rng, self.mask_prob, attention_mask=attention_mask)
         h = model(corrupted, attention_mask=attention_mask)
@@ -536,7 +536,7 @@ class ELECTRA(nn.Module):
         super().__init__()
         config, D = model.config, model.config.hidden_size
         self.disc_weight = cfg.electra_disc_weight
-        # TF ELECTRA draws round(0.15 x non-pad) positions with replacement, [CLS]/[SEP]/[UNK] included; ours
+        # TF ELECTRA draws round(0.15 x non-pad) positions with replacement, [UNK] but never [CLS]/[SEP]; ours
         # round(0.15 x eligible) distinct non-special ones: the same count at 128 and 256, not at 512 (fidelity note 29)
         self.generator = Generator(config, cfg, mask_frac=0.85, random_frac=0.0, sample_dropout_off=False)
         self.disc_head = nn.Sequential(nn.Linear(D, D), nn.GELU(), nn.Linear(D, 1))
@@ -619,7 +619,7 @@ NEGATIVE_CHUNK_FLOATS = 2 ** 20  # 4 MB of fp32 per chunk of gathered negatives 
 class NegativeDots(torch.autograd.Function):
     """gather_dot for all K negatives without a (B, T, K, D) tensor (3.4 GB in fp32 at b256 s128 on BERT-small, K = 50,
     kept by autograd for backward). Forward: fused_gather_dot if `fused`, else K in chunks of NEGATIVE_CHUNK_FLOATS
-    gathered floats (3-4x faster than one gather on CPU). Backward: the anchor's gradient sum_k grad_k targets[n_k]
+    gathered floats (so the forward never holds it either). Backward: the anchor's gradient sum_k grad_k targets[n_k]
     is a weighted embedding bag; the targets' (taco_stop_grad=False only) an index_add per chunk. Same as gather_dot."""
 
     @staticmethod

@@ -100,7 +100,7 @@ def main(argv=None):
 def train(cfg, ckpt=None):
     """The run. cfg: the checked flags (config.TrainConfig), which rundir.run_main parsed, with --resume's
     checkpoint as ckpt, after locking out_dir. Returns 0, or 128 + the signal number when SIGINT / SIGTERM
-    stopped it."""
+    / SIGHUP stopped it."""
     layout = distributed.setup(cfg)  # torchrun's RANK / WORLD_SIZE / LOCAL_RANK, or one process
     device, master = layout.device, layout.master
     torch.manual_seed(cfg.seed)  # the initial weights (DDP broadcasts rank 0's anyway)
@@ -144,7 +144,7 @@ def train(cfg, ckpt=None):
     rundir.note_fresh_head(cfg, init_model, model, master)  # --init_from's head untrained, where this one trains it
     params = list(model.parameters()) + [p for p in objective.parameters() if p.requires_grad]
     optimizer = configure_optimizer(params, cfg, layout.device_type)
-    dtype, autocast, scaler = distributed.precision(cfg, layout)  # bf16 autocast on GPUs, fp32 on a CPU
+    dtype, autocast, scaler = distributed.precision(cfg, layout)  # bf16 autocast (pre-Ampere: fp16 + scaler); CPU: fp32
     run.attach(model, model_config, objective, optimizer, train_loader, scaler)  # what a checkpoint holds
     step, trained_s = run.restore()  # --resume: where it stopped; else step 0
 
@@ -168,7 +168,7 @@ def train(cfg, ckpt=None):
     watch = DivergenceWatch(layout, cfg, scaler, params, run)  # stops the run before it saves NaN weights
     meter = StepLog(cfg, model_config, layout, step, trained_s)
     metrics = {}  # the last step's; save() shows them if the weights diverged
-    stop = distributed.StopSignals(layout)  # SIGINT / SIGTERM: stop after the step in flight
+    stop = distributed.StopSignals(layout)  # SIGINT / SIGTERM / SIGHUP: stop after the step in flight
 
     def save(step):
         watch.check(metrics, step, run.saved_step, weights=True)  # never overwrite good weights with NaN
