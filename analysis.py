@@ -936,7 +936,7 @@ def read_log(path, finite=True):
     for line in read_text(path).splitlines():  # not UTF-8: one error naming file and line
         try:
             record = json.loads(line)
-        except json.JSONDecodeError:
+        except ValueError:  # a damaged line, or an integer of over 4,300 digits (an edited log)
             continue
         if not isinstance(record, dict) or type(record.get("step")) is not int:
             continue
@@ -944,7 +944,7 @@ def read_log(path, finite=True):
         for key, value in record.items():
             value = NON_FINITE.get(named.get(key)) if value is None and isinstance(named.get(key), str) else value
             if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool) \
-                    and (math.isfinite(value) or not finite):
+                    and (type(value) is float or abs(value) < 2 ** 1024) and (math.isfinite(value) or not finite):
                 series.setdefault(key, {})[record["step"]] = value
     return {key: (sorted(points), [points[s] for s in sorted(points)]) for key, points in series.items()}
 

@@ -147,7 +147,8 @@ def read_log(path):
                 diverged = rec["step"]
             elif type(rec.get("step")) is int:  # train.py logs numbers: a value of another type is a missing cell,
                 # and so is a non-finite one (null since train.py writes strict JSON; a bare NaN before)
-                numbers = {k: v for k, v in rec.items() if type(v) in (int, float) and math.isfinite(v)}
+                numbers = {k: v for k, v in rec.items()  # an int no float holds (an edited log): missing too
+                           if type(v) in (int, float) and abs(v) < 2 ** 1024 and math.isfinite(v)}
                 (train if "loss" in rec else evals)[rec["step"]] = numbers
     return header, [train[s] for s in sorted(train)], [evals[s] for s in sorted(evals)], diverged
 

@@ -583,6 +583,7 @@ def test_plot_logs(tmp_path):
     assert not (tmp_path / "plots" / "notes.png").exists()
     with open(b, "a") as f:  # records no run of ours writes: a step that is not an integer is skipped
         f.write('\n{"step": [1], "loss": 2}\n{"step": "x", "loss": 3}\n{"step": true, "loss": 4}\n')
+        f.write(f'{{"step": 7, "loss": 1{"0" * 400}}}\n{{"step": 8, "loss": 1{"0" * 5000}}}\n')  # no float holds them
     assert A.read_log(b)["loss"][0] == list(range(10, 110, 10))
     (tmp_path / "binary.jsonl").write_bytes(b'{"step": 1, "loss": 2}\n\xff\xfe\n')
     with pytest.raises(ValueError, match=r"binary.jsonl:2: not UTF-8"):

@@ -136,11 +136,12 @@ def test_read_log_resumed_run(tmp_path):
                {"step": 20, "loss": 7.1, "elapsed_s": 9.0, "tokens_per_s": 120.0},  # resumed from step 10 (5 s)
                {"step": 30, "loss": 6.0, "elapsed_s": 13.0, "tokens_per_s": 120.0},
                {"step": 30, "val_mlm_loss": 6.5}]
-    path.write_text("\n".join(json.dumps(r) for r in records) + '\n{"step": 40, "lo')  # a line cut by a kill
+    edited = f'{{"step": 30, "val_mlm_acc": 1{"0" * 400}}}'  # an edited log: an int no float holds is a missing cell
+    path.write_text("\n".join(json.dumps(r) for r in records) + f"\n{edited}" + '\n{"step": 40, "lo')  # a kill's
     header, train, evals, diverged = reproduce.read_log(str(path))
     assert header["provenance"] == {"commit": "abc"} and diverged is None
     assert [t["step"] for t in train] == [10, 20, 30] and train[1]["loss"] == 7.1
-    assert [e["step"] for e in evals] == [0, 30]
+    assert [e["step"] for e in evals] == [0, 30] and evals[1] == {"step": 30}
     assert reproduce.wall_clock(train) == 13.0  # the 5 s from the checkpoint to the kill are not counted
     assert reproduce.mean_std([1.0, 3.0]) == (2.0, pytest.approx(math.sqrt(2)))
 
