@@ -60,11 +60,42 @@ PIECE_CHARS = 1 << 18  # a longer line or row is cut before a space into pieces 
 BATCH_CHARS = 1 << 22  # and a batch of pieces ends at this many characters: one enormous line is many batches
 
 
+class _ZstdReader:
+    """A .zst file's frames one after another, as zstandard.open reads them, except that a file cut short inside
+    a frame (a download stopped) raises EOFError, as lzma, gzip and bz2 do: zstandard.open returned the text up
+    to the cut, and the run trained on part of the corpus without a word."""
+
+    def __init__(self, path):
+        self.file, self.frame, self.out = open(path, "rb"), None, bytearray()
+
+    def read(self, size=-1):
+        while size < 0 or len(self.out) < size:
+            ended = self.frame is not None and self.frame.eof
+            data = (self.frame.unused_data if ended else b"") or self.file.read(1 << 20)
+            if not data:
+                if self.frame is not None and not ended:
+                    raise EOFError("Compressed file ended before the end of its last zstd frame")
+                break
+            if self.frame is None or ended:  # the next frame (zstd -T, cat a.zst b.zst)
+                self.frame = zstandard.ZstdDecompressor().decompressobj()
+            self.out += self.frame.decompress(data)
+        size = len(self.out) if size < 0 else size
+        out = bytes(self.out[:size])
+        del self.out[:size]
+        return out
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.file.close()
+
+
 def _open_zst(path, mode="rb"):
     if zstandard is None:
         raise ValueError(f"cannot read {path} as text: no zstd decompressor (install the zstandard package: "
                          f"pip install zstandard)")
-    return zstandard.open(path, mode)
+    return _ZstdReader(path)
 
 
 DECOMPRESS = {".xz": lzma.open, ".gz": gzip.open, ".bz2": bz2.open, ".zst": _open_zst}  # text we decompress ourselves

@@ -647,12 +647,32 @@ def test_read_text_reads_what_data_reads(tmp_path, suffix, compress):
         corpus.read_text(path)
 
 
-@pytest.mark.parametrize("content", [b"plain text, not xz\n", lzma.compress(b"a sentence\n" * 100)[:-20]])
-def test_read_text_of_a_broken_xz_is_one_clear_error(tmp_path, content):
-    # eval.py --analysis --text and the GLUE reader go through read_text, not the corpus loader
-    (tmp_path / "t.txt.xz").write_bytes(content)
-    with pytest.raises(ValueError, match=r"t.txt.xz: not a readable .xz file"):
-        corpus.read_text(tmp_path / "t.txt.xz")
+@pytest.mark.parametrize("suffix, content", [("xz", lambda raw: b"plain text, not xz\n")] + [
+    (suffix, lambda raw, compress=compress: compress(raw)[:-20]) for suffix, compress in
+    [("xz", lzma.compress), ("gz", gzip.compress), ("bz2", bz2.compress), ("zst", _zst)]])
+def test_read_text_of_a_broken_or_truncated_file_is_one_clear_error(tmp_path, suffix, content):
+    # eval.py --analysis --text and the GLUE reader go through read_text, not the corpus loader. A .zst cut short
+    # (a download stopped) was read up to the cut without a word: zstandard.open does not check the frame's end
+    (tmp_path / f"t.txt.{suffix}").write_bytes(content(os.urandom(3 << 20).hex().encode()))
+    with pytest.raises(ValueError, match=rf"t.txt.{suffix}: not a readable .{suffix} file"):
+        corpus.read_text(tmp_path / f"t.txt.{suffix}")
+
+
+def test_a_zst_of_several_frames_is_read_whole_and_a_cut_one_is_refused(tmp_path):
+    zstandard = pytest.importorskip("zstandard")
+    frames = [os.urandom(n).hex().encode() + b"\n" for n in (3 << 20, 10, 1 << 20)]  # frames across read chunks
+    packed = b"".join(zstandard.ZstdCompressor().compress(f) for f in frames)  # as `cat a.zst b.zst` or zstd -T
+    (tmp_path / "a.txt.zst").write_bytes(packed)
+    assert corpus.read_text(tmp_path / "a.txt.zst") == b"".join(frames).decode()
+    with corpus.DECOMPRESS[".zst"](tmp_path / "a.txt.zst", "rb") as f:  # _decompressed's reads, 1 MiB each
+        assert b"".join(iter(lambda: f.read(1 << 20), b"")) == b"".join(frames)
+    (tmp_path / "a.txt.zst").write_bytes(packed[:-5])
+    with pytest.raises(ValueError, match=r"a.txt.zst: not a readable .zst file \(EOFError: .*zstd frame\)"):
+        corpus.read_text(tmp_path / "a.txt.zst")
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "a.txt.zst").write_bytes(packed[:len(packed) // 2])  # the corpus loader: one clear line
+    with pytest.raises(ValueError, match=r"cannot read .*a.txt.zst as text: not a readable .zst file"):
+        corpus.load_corpus(str(tmp_path / "b"), [tmp_path / "b" / "a.txt.zst"], tmp_path / "cache")
 
 
 @pytest.mark.parametrize("code", ["ENOSPC", "EDQUOT", "EFBIG"])  # a full disk, a quota, ulimit -f: each blamed the corpus
