@@ -20,7 +20,7 @@ from pathlib import PurePath
 import torch
 
 import distributed
-from data import DEFAULT_DATA, HUB_CORPUS
+from data import DEFAULT_DATA, HUB_CORPUS, LIMIT_ALPHABET
 from model import MODEL_PRESETS
 
 
@@ -36,6 +36,8 @@ class TrainConfig:
     data: str = DEFAULT_DATA  # a local file / dir / glob, or a datasets hub name ("name:config"); smoke: the sample in assets/
     tokenizer: str = ""  # tokenizer.json, vocab.txt, a dir with them or a hub name (bert-base-uncased); empty = the init_from dir's, else train one
     vocab_size: int = 30522  # size of a newly trained WordPiece vocabulary (BERT's 30,522; smoke: 8,192)
+    cased: bool = False  # a trained tokenizer keeps case and accents (multilingual BERT cased); default: uncased, accents and other marks stripped (BERT-uncased)
+    limit_alphabet: int = LIMIT_ALPHABET  # a trained tokenizer's characters: the most frequent N (rarer ones become [UNK]); 0 = all (CJK text needs thousands)
     val_fraction: float = 0.005  # share of the corpus held out for the validation MLM loss (at least 16,384 tokens, up to 10% of a small corpus)
     cache_dir: str = "cache"  # tokenizers and token files, reused across runs
     seq_len: int = 128  # tokens per packed block, [CLS] and [SEP] included
@@ -255,7 +257,7 @@ MINIMUM = dict(seq_len=(3, "room for [CLS] and [SEP]"), batch_size=(1, ""), toke
                gen_layers=(0, "0 = the gen_shape's own"), negative_pool=(0, "0 = the micro-batch"),
                vocab_size=(100, "5 special tokens and enough WordPiece pieces to spell words"),
                taco_window=(3, "positives within +-W//2: W = 3 is the smallest with one offset"),
-               taco_negatives=(1, ""), taco_weight=(0, ""), cocolm_copy_weight=(0, ""), electra_disc_weight=(0, ""))
+               limit_alphabet=(0, "0 = every character of the corpus"), taco_negatives=(1, ""), taco_weight=(0, ""), cocolm_copy_weight=(0, ""), electra_disc_weight=(0, ""))
 POSITIVE = ("lr", "adam_eps", "taco_temperature", "tacl_temperature", "cocolm_scl_temperature")
 # ranges (low, high, low included, high included)
 RANGES = dict(mask_prob=(0, 1, False, False), dropout=(0, 1, True, False), beta2=(0, 1, True, False),
@@ -404,6 +406,9 @@ def validate(cfg):
     need(cfg.data.strip(), "data", "must name a file, a directory, a glob or a hub dataset")
     need(cfg.tokens_per_step <= 2 ** 30, "tokens_per_step", "must be <= 2**30 (TACO's base step is 327,680 tokens; "
          "a larger one is a step of hours of accumulation that a signal would wait for)")
+    need(not (cfg.cased or cfg.limit_alphabet != LIMIT_ALPHABET) or not (cfg.tokenizer or cfg.init_from),
+         "cased" if cfg.cased else "limit_alphabet", "shapes a tokenizer trained on --data: with --tokenizer or "
+         "--init_from that tokenizer is used as it is")
     need(cfg.vocab_size <= 1_000_000, "vocab_size", "must be <= 1,000,000 (BERT's is 30,522; multilingual ones 120k-250k)")
     # masking picks round(mask_prob x eligible) tokens a row (losses.mask_tokens): none would train nothing. In
     # float32, as mask_tokens rounds: seq_len 5 x 0.16666667 is 0.50000001 in Python but 0.5 -> 0 there

@@ -12,7 +12,8 @@ T-2, read in one seeded permutation per epoch.
   concatenated, blank lines dropped. Validation = the tail of the stream: val_fraction of the tokens, but
   at least VAL_MIN_TOKENS or 10% of the corpus, whichever is fewer; its start moves back to a document
   start when one lies within that many tokens (else, as in a one-document corpus, it cuts a document).
-- Tokenizer: uncased BERT WordPiece from the `tokenizers` package, specials in BERT order
+- Tokenizer: uncased BERT WordPiece from the `tokenizers` package (accents and other combining marks stripped,
+  as BERT-uncased; cased=True keeps case and marks, as multilingual BERT cased), specials in BERT order
   [PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3 [MASK]=4. A Hugging Face vocab.txt / tokenizer dir loads too
   (bert-base-uncased keeps its own ids 0/100/101/102/103: always go through special_token_ids).
   Training is deterministic: the same text gives the same vocabulary, ids included (see train_tokenizer).
@@ -38,7 +39,7 @@ SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 HUB_CORPUS = "wikimedia/wikipedia:20231101.en"
 DEFAULT_DATA = SAMPLE_CORPUS  # WikiText-2's test split in assets/: smoke runs and tests need no network
 VAL_MIN_TOKENS = 16384  # 32 blocks at seq_len 512, 130 at the smoke preset's 128 (each holds seq_len - 2)
-LIMIT_ALPHABET = 1000  # as HF's BertWordPieceTokenizer: rarer characters map to [UNK]
+LIMIT_ALPHABET = 1000  # as HF's BertWordPieceTokenizer: rarer characters map to [UNK] (Chinese BERT keeps ~8,000)
 
 # ----------------------------------------------------------------------------- batches
 
@@ -112,14 +113,14 @@ class BlockLoader:
 # ----------------------------------------------------------------------------- text -> token stream
 
 def prepare_data(data=DEFAULT_DATA, cache_dir="cache", tokenizer=None, vocab_size=30522,
-                 val_fraction=0.005):
+                 val_fraction=0.005, cased=False, limit_alphabet=LIMIT_ALPHABET):
     """Return (tok, train_tokens, val_tokens): 1-D np.memmap token streams.
 
-    Without a tokenizer path, one is trained on the corpus. Both are made once and kept in cache_dir
-    (token_files.CorpusCache: the corpus is read only when a cache misses)."""
+    Without a tokenizer path, one is trained on the corpus (cased, limit_alphabet: see train_tokenizer). Both
+    are made once and kept in cache_dir (token_files.CorpusCache: the corpus is read only when a cache misses)."""
     cache = token_files.CorpusCache(data, cache_dir)  # a bad path fails here, before any work
-    if tokenizer is None:
-        tokenizer = cache.tokenizer(vocab_size, train_tokenizer)  # train_tokenizer(texts, vocab_size, save_dir)
+    if tokenizer is None:  # train_tokenizer(texts, vocab_size, save_dir, cased, limit_alphabet)
+        tokenizer = cache.tokenizer(vocab_size, train_tokenizer, cased=cased, limit_alphabet=limit_alphabet)
     tok = load_tokenizer(tokenizer)
     sep = special_token_ids(tok)["sep"]
     tokens = cache.tokens(tok, sep)  # (N,) the whole corpus, one [SEP] between documents
@@ -156,23 +157,26 @@ def _add_template(tok):
         single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
         special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
 
-def train_tokenizer(texts, vocab_size=30522, save_dir=None):
-    """Train an uncased BERT WordPiece tokenizer, deterministically.
+def train_tokenizer(texts, vocab_size=30522, save_dir=None, cased=False, limit_alphabet=LIMIT_ALPHABET):
+    """Train a BERT WordPiece tokenizer, uncased unless cased=True, deterministically.
 
     texts: a list of strings, or a function returning a fresh iterator over strings or lists of
     strings; it is read twice (the alphabet, then the training).
+    Uncased strips accents and every other combining mark (NFD), as BERT-uncased: ü -> u, but also й -> и,
+    で -> て and Devanagari's vowel signs; cased=True keeps case and marks (multilingual BERT cased). Only the
+    limit_alphabet most frequent characters are kept (0: all), rarer ones become [UNK].
     """
     texts = texts if callable(texts) else list(texts)  # a generator could be read only once
     read = texts if callable(texts) else lambda: iter(texts)
     tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    _bert_pipeline(tok)
+    _bert_pipeline(tok, lowercase=not cased)
     # `tokenizers` trains non-deterministically: it gives the "##x" tokens ids in the iteration order
     # of a randomly seeded Rust HashMap, merges of equal count are then ordered by those ids, and the
     # alphabet limit drops characters of equal count in hash order. Fixing the alphabet ourselves
     # (initial_alphabet with limit_alphabet = its size) and the "##x" ids (passed as leading special
     # tokens, demoted to ordinary vocabulary below) makes every id reproducible. (Two trainings by
     # `tokenizers` alone on the bundled sample gave 964 of 8,192 ids differently; fidelity note 8.)
-    alphabet, continuing = token_files.alphabet(read(), tok.normalizer, LIMIT_ALPHABET)
+    alphabet, continuing = token_files.alphabet(read(), tok.normalizer, limit_alphabet or None)  # says what is lost
     if not alphabet:
         raise ValueError("no text")
     trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, continuing_subword_prefix="##",
@@ -181,7 +185,7 @@ def train_tokenizer(texts, vocab_size=30522, save_dir=None):
                                         show_progress=sys.stderr.isatty())  # in a log file: blank lines
     tok.train_from_iterator(read(), trainer)
     tok = Tokenizer(models.WordPiece(tok.get_vocab(), unk_token="[UNK]"))  # "##x" as plain tokens again
-    _bert_pipeline(tok)
+    _bert_pipeline(tok, lowercase=not cased)
     tok.add_special_tokens(SPECIAL_TOKENS)
     _add_template(tok)
     if save_dir is not None:

@@ -112,6 +112,8 @@ def run_main(train, argv, usage):
 
 # what --resume may not change: the model and its vocabulary, the data order and the validation split
 FIXED_ON_RESUME = ("objective", "model_size", "seq_len", "vocab_size", "data", "tokenizer", "seed", "val_fraction")
+# and how its tokenizer was trained: a checkpoint older than these flags holds none (it was trained with their defaults)
+TOKENIZER_TRAINING = ("cased", "limit_alphabet")
 
 
 def resume_config(cfg, given):
@@ -151,7 +153,7 @@ def resume_config(cfg, given):
     if absent:
         raise ValueError(f"--resume {path}: its config lacks {', '.join(absent)} (an edited or corrupt checkpoint)")
     saved = saved_config(ckpt, path)
-    for name in (n for n in FIXED_ON_RESUME if n in given):
+    for name in (n for n in FIXED_ON_RESUME + TOKENIZER_TRAINING if n in given):
         if given[name] != (data_path(saved.data) if name == "data" else getattr(saved, name)):
             raise ValueError(f"--resume {path}: checkpoint has {name}={getattr(saved, name)!r}, flags say "
                              f"{given[name]!r} (it would change the model, its vocabulary or the data order)")

@@ -431,3 +431,50 @@ def test_a_tokenizer_json_whose_ids_are_not_0_to_v_minus_1_is_refused(tmp_path):
         (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
         with pytest.raises(ValueError, match=error):
             data.load_tokenizer(tmp_path / "tokenizer.json")
+
+
+# ----------------------------------------------------------------------------- other languages
+
+HINDI, RUSSIAN, JAPANESE, GERMAN = "यह पंक्ति के बाद", "Мой ёжик", "すでに定義されています", "schön"
+
+
+def test_the_uncased_tokenizer_says_what_it_strips_and_cased_keeps_it(tmp_path, capsys):
+    # uncased (BERT-uncased) drops every combining mark: Devanagari's vowel signs and virama, й, ё, で's dakuten too
+    text = [HINDI, RUSSIAN, JAPANESE, GERMAN] * 50
+    uncased = data.train_tokenizer(text, vocab_size=300)
+    assert uncased.decode(uncased.encode(HINDI).ids) == "यह पकति क बाद"
+    assert uncased.decode(uncased.encode(RUSSIAN).ids) == "мои ежик"
+    note = capsys.readouterr().out
+    assert "note: the uncased tokenizer strips accents" in note and "й -> и" in note and "--cased" in note
+    cased = data.train_tokenizer(text, vocab_size=300, save_dir=tmp_path / "cased", cased=True)
+    for words in (HINDI, RUSSIAN, GERMAN):
+        assert cased.decode(cased.encode(words).ids) == words
+    assert "すでに" in cased.decode(cased.encode(JAPANESE).ids)
+    assert "note" not in capsys.readouterr().out
+    assert json.loads((tmp_path / "cased" / "tokenizer_config.json").read_text())["do_lower_case"] is False
+    # an English corpus says nothing: an accent here and there is below the note's 0.5%
+    data.train_tokenizer([_paragraph(i, 100) + " Café." for i in range(20)], vocab_size=300)
+    assert "note" not in capsys.readouterr().out
+
+
+def test_characters_past_limit_alphabet_become_unk_and_the_training_says_so(capsys):
+    # 1,500 distinct CJK characters (a Chinese corpus holds thousands): the 500 rarest fall outside the alphabet
+    rare = "".join(chr(0x4E00 + i) for i in range(1000, 1500))
+    text = ["".join(chr(0x4E00 + i) for i in range(1000))] * 3 + [rare]
+    tok = data.train_tokenizer(text, vocab_size=3000)
+    assert set(tok.encode(rare).tokens[1:-1]) == {"[UNK]"}
+    assert "500 rarer ones" in capsys.readouterr().out
+    tok = data.train_tokenizer(text, vocab_size=3000, limit_alphabet=0)  # 0: every character
+    assert "[UNK]" not in tok.encode(rare).tokens
+    assert "note" not in capsys.readouterr().out
+
+
+def test_tokenizer_options_name_their_own_cached_tokenizer(tmp_path):
+    corpus = tmp_path / "ru.txt"
+    corpus.write_text("\n".join([RUSSIAN + " " + _paragraph(i) for i in range(40)]), encoding="utf-8")
+    default = data.prepare_data(str(corpus), tmp_path / "cache", vocab_size=300)[0]
+    cased = data.prepare_data(str(corpus), tmp_path / "cache", vocab_size=300, cased=True, limit_alphabet=0)[0]
+    assert default.decode(default.encode(RUSSIAN).ids) == "мои ежик"
+    assert cased.decode(cased.encode(RUSSIAN).ids) == RUSSIAN
+    names = sorted(p.name.split("-", 2)[2] for p in (tmp_path / "cache").glob("tokenizer-*"))
+    assert names == ["300", "300-cased-limit_alphabet0"]  # the default's name is the one earlier caches have

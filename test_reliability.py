@@ -92,6 +92,7 @@ BAD_VALUES = [
     ("seed", "-1"), ("seed", str(2 ** 64)), ("data", ""), ("data", " "), ("init_from", "FILE/missing"),
     ("vocab_size", str(10 ** 20)), ("mask_prob", "0.01"), ("tokens_per_step", str(2 ** 71)),  # 0.01 x 30 tokens rounds to no masked token a row
     ("mask_prob", "0.016666667"),  # x 30 tokens: 0.50000001 in Python, but 0.5 -> 0 masked in mask_tokens' float32
+    ("limit_alphabet", "-1"), ("cased", "maybe"),
 ]
 if not torch.cuda.is_available():
     BAD_VALUES.append(("device", "cuda"))
@@ -1142,6 +1143,8 @@ def test_init_from_flags_that_cannot_work_are_refused(corpus, cache, tmp_path, c
         shutil.copy(run_dir / name, export / name)
     weights = (export / "model.safetensors").read_bytes()
     for extra, needle in ((["--init_from", export, "--out_dir", export], "overwrite the weights it starts from"),
+                          (["--init_from", export, "--cased"], "is used as it is"),  # not ignored in silence
+                          (["--tokenizer", export, "--limit_alphabet", 5000], "is used as it is"),
                           (["--init_from", run_dir, "--model_size", "base"], "--model_size base"),
                           (["--resume", run_dir, "--max_steps", 3], "already at step 5")):
         code, _, err = run_main(flags(corpus, cache, tmp_path / "new") + extra, capsys)
@@ -1545,7 +1548,8 @@ def test_resume_refuses_another_seq_len(corpus, cache, tmp_path, capsys):
     assert code == 2
     one_error(err, "seq_len")
     # the model and its vocabulary are the checkpoint's: another size or tokenizer is refused, not ignored in silence
-    for name, value in (("model_size", "small"), ("vocab_size", "300"), ("tokenizer", tmp_path / "run" / "vocab.txt")):
+    for name, value in (("model_size", "small"), ("vocab_size", "300"), ("tokenizer", tmp_path / "run" / "vocab.txt"),
+                        ("cased", "true"), ("limit_alphabet", "0")):  # the last two: how its tokenizer was trained
         code, _, err = run_main(["--resume", tmp_path / "run", f"--{name}", value, "--max_steps", "6"], capsys)
         assert code == 2, (name, err)
         one_error(err, f"checkpoint has {name}=", "it would change the model")

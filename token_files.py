@@ -47,6 +47,7 @@ test_what_killed_writers_left_in_the_cache_is_removed, test_a_run_waits_while_an
 test_checksum_samples_large_files, test_corrupt_cached_tokenizer_is_retrained).
 """
 import hashlib
+import inspect
 import json
 import os
 import re
@@ -75,8 +76,10 @@ CHECKSUM_CHUNKS = 1024  # a token cache over CHECKSUM_CHUNKS x 64 KiB is checksu
 
 def alphabet(texts, normalizer, limit):
     """data.train_tokenizer's alphabet, fixed here because `tokenizers` picks it in hash order: the `limit`
-    most frequent characters after normalization (ties by code point), and those of them that can
-    continue a word (not punctuation, not CJK, which the pre-tokenizer isolates)."""
+    most frequent characters after normalization (ties by code point; None: all), and those of them that can
+    continue a word (not punctuation, not CJK, which the pre-tokenizer isolates). It says (one note each) when
+    the normalizer strips the marks of more than 0.5% of the characters (accents, but also й, で, Devanagari's
+    vowel signs) or the limit sends more than 0.1% of them to [UNK] (Chinese, Japanese, emoji)."""
     counts, buffer = np.zeros(0x110000, dtype=np.int64), []
     def count(strings):  # numpy on code points: 0.4 s for 20 MB of Wikipedia, 6.5 s via normalize_str
         codes = np.frombuffer("".join(strings).encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
@@ -89,15 +92,39 @@ def alphabet(texts, normalizer, limit):
             buffer = []
     count(buffer)
     # normalizing each distinct raw character = normalizing the text: BertNormalizer is per character
-    normalized = {}
+    normalized, stripped = {}, {}  # stripped: raw character -> (count, normalized) where marks were removed
     for code in np.flatnonzero(counts):
         for c in normalizer.normalize_str(chr(code)):
             if not c.isspace():
                 normalized[c] = normalized.get(c, 0) + int(counts[code])
+        if _marks(chr(code)) > _marks(normalizer.normalize_str(chr(code))):
+            stripped[chr(code)] = int(counts[code]), normalizer.normalize_str(chr(code))
     kept = sorted(sorted(normalized, key=lambda c: (-normalized[c], c))[:limit])
+    _say_what_is_lost(normalized, kept, stripped, limit)
     continuing = [c for c in kept if normalizer.normalize_str(c) == c and c not in string.punctuation
                   and not unicodedata.category(c).startswith("P")]
     return kept, continuing
+
+
+def _marks(text):
+    """Combining marks in text, decomposed (NFD), variation selectors (an emoji's U+FE0F) left out."""
+    return sum(unicodedata.category(c).startswith("M") and not 0xFE00 <= ord(c) <= 0xFE0F
+               for c in unicodedata.normalize("NFD", text))
+
+def _say_what_is_lost(normalized, kept, stripped, limit):
+    total = sum(normalized.values())
+    share = sum(n for n, _ in stripped.values()) / max(total, 1)
+    if share > 0.005:
+        examples = sorted(stripped.items(), key=lambda item: -item[1][0])[:6]
+        changes = ", ".join(f"{c} -> {n or chr(8709)}" for c, (_, n) in examples)  # chr(8709): the empty set
+        print(f"note: the uncased tokenizer strips accents and other combining marks, as BERT-uncased: it changes "
+              f"{share:.1%} of the corpus's characters ({changes}); train.py --cased keeps them (multilingual BERT cased)")
+    unknown = [c for c in normalized if c not in set(kept)]
+    share = sum(normalized[c] for c in unknown) / max(total, 1)
+    if share > 0.001:
+        print(f"note: the tokenizer's alphabet keeps the {limit:,} most frequent characters: {len(unknown):,} rarer "
+              f"ones, {share:.2%} of the corpus's characters, become [UNK]; train.py --limit_alphabet 0 keeps all "
+              f"{len(normalized):,}")
 
 
 def write_atomic(path, text):
@@ -204,8 +231,8 @@ def _ends(path, n=1 << 12):
         f.seek(max(0, os.path.getsize(path) - n))
         return hashlib.sha1(head + f.read(n)).hexdigest()
 
-def tokenizer_dir(cache_dir, corpus_key, vocab_size):
-    return Path(cache_dir) / f"tokenizer-{corpus_key}-{vocab_size}"
+def tokenizer_dir(cache_dir, corpus_key, vocab_size, options=""):
+    return Path(cache_dir) / f"tokenizer-{corpus_key}-{vocab_size}{options}"
 
 def tokens_file(cache_dir, corpus_key, tok, dtype):
     key = _hash([corpus_key, hashlib.sha1(tok.to_str().encode()).hexdigest(), FORMAT_VERSION])
@@ -260,15 +287,18 @@ class CorpusCache:
             self._parts = corpus.load_corpus(self.data, self.files, self.cache)
         return self._parts
 
-    def tokenizer(self, vocab_size, train):
-        """The directory of the tokenizer that train(texts, vocab_size, save_dir) makes from the corpus."""
-        path = tokenizer_dir(self.cache, self.key, vocab_size)
+    def tokenizer(self, vocab_size, train, **options):
+        """The directory of the tokenizer that train(texts, vocab_size, save_dir, **options) makes from the corpus;
+        options other than train's defaults name it (tokenizer-KEY-30522-cased-limit_alphabet8000)."""
+        defaults = inspect.signature(train).parameters
+        name = "".join(f"-{k}" if v is True else f"-{k}{v}" for k, v in options.items() if v != defaults[k].default)
+        path = tokenizer_dir(self.cache, self.key, vocab_size, name)
         with making(path):
             if cached_tokenizer(path) is None:
                 t0, tmp = time.time(), f"{path}.tmp{os.getpid()}"
                 texts = lambda: ([p for p in pieces if p is not None] for pieces in corpus.pieces(self.parts()))
                 try:
-                    trained = train(texts, vocab_size, save_dir=tmp)
+                    trained = train(texts, vocab_size, save_dir=tmp, **options)
                 except ValueError as e:  # a reading error names its file; "no text" (only whitespace) the corpus
                     if str(e) != "no text":
                         raise

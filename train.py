@@ -120,7 +120,8 @@ def train(cfg, ckpt=None):
 
     # ---- data: a token stream, cut into [CLS] + seq_len - 2 tokens + [SEP] blocks (rank 0 tokenizes first)
     tok, train_tokens, val_tokens = distributed.rank0_first(layout, lambda: data.prepare_data(
-        cfg.data, cfg.cache_dir, rundir.run_tokenizer(cfg, ckpt), cfg.vocab_size, cfg.val_fraction))
+        cfg.data, cfg.cache_dir, rundir.run_tokenizer(cfg, ckpt), cfg.vocab_size, cfg.val_fraction,
+        cased=cfg.cased, limit_alphabet=cfg.limit_alphabet))
     special = data.special_token_ids(tok)
     run = rundir.Run(cfg, layout, ckpt, rundir.data_fingerprint(train_tokens, val_tokens))
     loader_args = dict(seq_len=cfg.seq_len, cls_id=special["cls"], sep_id=special["sep"], device=device)
