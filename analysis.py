@@ -35,6 +35,7 @@ import re
 import socket
 import sys
 import textwrap
+import warnings
 
 import numpy as np
 import torch
@@ -312,14 +313,26 @@ def _ends_sentence(before, after):
     return not (word.isdigit() and after[:1].isdigit())  # "3. 4": a decimal point, as an uncased decoder spaces it
 
 
+# these end a sentence wherever they stand: Chinese and Japanese 。！？ (no space follows), Devanagari's danda, Arabic ؟
+SENTENCE_ENDS = "\u3002\uff01\uff1f\uff61\u0964\u0965\u061f\u06d4"
+# a word, as BERT's tokenizer counts them: each CJK ideograph is one (Chinese and Japanese write no spaces)
+WORD = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002fa1f]|"
+                  r"[^\s\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002fa1f]+")
+
+
+def count_words(sentence):
+    return len(WORD.findall(sentence))
+
+
 def split_sentences(text):
     """Cheap sentence splitter for WikiText-style prose (undoes its @-@ escapes, raw " @-@ " or decoded
     " @ - @ ", and drops headings): a new sentence starts after . ! or ? and a capital (any letter in
-    lowercased text), but not after an initial, an abbreviation (ABBREVIATIONS) or a decoded decimal point."""
+    lowercased text), but not after an initial, an abbreviation (ABBREVIATIONS) or a decoded decimal point;
+    and after any of SENTENCE_ENDS (。 ！ ？ । ؟)."""
     text = RUN_IN_HEADING.sub("\n", re.sub(r" ?@ ?([-,.]) ?@ ?", r"\1", text))
     starts = "A-Z" if text != text.lower() else "a-z0-9"  # text decoded by an uncased tokenizer
     pieces, start = [], 0
-    for m in re.finditer(rf"(?<=[.!?])\s+(?=[{starts}\"'(\[])|\n", text):
+    for m in re.finditer(rf"(?<=[.!?])\s+(?=[{starts}\"'(\[])|(?<=[{SENTENCE_ENDS}])\s*|\n", text):
         if "\n" in m.group() or _ends_sentence(text[start:m.start()], text[m.end():]):
             pieces.append(text[start:m.start()])
             start = m.end()
@@ -334,7 +347,7 @@ def load_sentences(documents, num_sentences, seed=0, min_words=5):
         doc = doc.strip()
         if not doc or (doc.startswith("=") and doc.endswith("=")):  # WikiText section headings
             continue
-        sentences += [s for s in split_sentences(doc) if len(s.split()) >= min_words]
+        sentences += [s for s in split_sentences(doc) if count_words(s) >= min_words]
     if len(sentences) > num_sentences:
         sentences = random.Random(seed).sample(sentences, num_sentences)
     return sentences
@@ -567,7 +580,18 @@ def _save_json(obj, path):
 
 
 def _save_figure(fig, path, dpi=110):
-    replace_atomic(path, lambda tmp: fig.savefig(tmp, dpi=dpi, format="png"))
+    """Save fig; matplotlib's one warning per character its font lacks (a Hindi or Chinese heatmap's token labels:
+    dozens, two lines each, above the summary) becomes one note."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        replace_atomic(path, lambda tmp: fig.savefig(tmp, dpi=dpi, format="png"))
+    glyphs = {str(w.message) for w in caught if re.match(r"Glyph \d+ .* missing from font", str(w.message))}
+    for w in caught:
+        if str(w.message) not in glyphs:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    if glyphs:
+        print(f"note: {os.path.basename(path)}: its font has no glyph for {len(glyphs)} characters of the text "
+              f"(drawn as boxes); a font covering the script (e.g. Noto) draws them")
 
 
 PLOTS = ("contextual", "self_similarity", "heatmap", "sentence_similarity", "word_similarity")  # analysis_NAME.png
@@ -639,7 +663,7 @@ def run_analysis(args):
         print(f"STS-B skipped (the sentence-similarity plot keeps its random pairs; the rest goes on): {e}; "
               f"pass --glue_dir DIR holding STS-B/dev.tsv")
     # one readable sentence for the heatmap, the same text for every model
-    heatmap_sentence = next((s for s in sentences if 8 <= len(s.split()) <= 16), sentences[0])
+    heatmap_sentence = next((s for s in sentences if 8 <= count_words(s) <= 16), sentences[0])
     # the sentences' sha1: the same --text name and count can hold other sentences (the file edited, or an earlier
     # version's split_sentences): another measurement, which must not overwrite this one's analysis.json
     digest = hashlib.sha1("\n".join(sentences).encode("utf-8")).hexdigest()[:16]

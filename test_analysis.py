@@ -997,3 +997,25 @@ def test_analyze_model_word_scores_heatmap_and_seeds(tok):
     assert other["num_tokens"] == result["num_tokens"] and other["wordsim353"] == result["wordsim353"]
     # and the held-out sentences
     assert A.load_sentences(make_text(200), 20, seed=1) != A.load_sentences(make_text(200), 20, seed=0)
+
+
+def test_chinese_japanese_and_hindi_sentences_are_found():
+    # 。！？ and the danda end a sentence with no space after them; a CJK ideograph counts as a word (no spaces
+    # between words): a Chinese --text was "fewer than 2 sentences of 5+ words", a Chinese validation split a
+    # handful of whole documents
+    text = "不要将用户添加到数据库。创建一个和用户同名的组！软件包的版本是相同的？"
+    assert A.split_sentences(text) == ["不要将用户添加到数据库。", "创建一个和用户同名的组！", "软件包的版本是相同的？"]
+    assert A.split_sentences("用 户 添 加 到 数 据 库 。 创 建 组") == ["用 户 添 加 到 数 据 库 。", "创 建 组"]  # decoded
+    assert A.split_sentences("यह एक लंबा वाक्य है। यह दूसरा वाक्य है।") == ["यह एक लंबा वाक्य है।", "यह दूसरा वाक्य है।"]
+    assert len(A.load_sentences([text, "この名前はすでに定義されています。"], 10)) == 4  # 名 前 定 義, 3 kana runs: 7 words
+
+
+def test_glyphs_the_plot_font_lacks_are_one_note_not_a_warning_each(tmp_path, capsys, recwarn):
+    # matplotlib's DejaVu Sans has no Devanagari: a Hindi model's heatmap warned twice per distinct character
+    tokens = ["यह", "पंक्ति", "के", "बाद", "नया", "वाक्य"]
+    raws = {"hi": {"heatmap": np.eye(len(tokens)), "heatmap_tokens": tokens}}
+    A.plot_heatmaps(raws, " ".join(tokens), str(tmp_path / "heatmap.png"))
+    assert (tmp_path / "heatmap.png").exists()
+    assert not [w for w in recwarn if "missing from font" in str(w.message)]
+    out = capsys.readouterr().out
+    assert out.count("note: heatmap.png: its font has no glyph for") == 1, out
