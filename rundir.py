@@ -534,9 +534,14 @@ class Run:
 
     def __init__(self, cfg, layout, ckpt, fingerprint):
         if ckpt and ckpt.get("data", fingerprint) != fingerprint:  # (checkpoints before this check have none)
+            made = ckpt.get("token_format", "not recorded (1 before 2026-11-27)")  # how the code tokenized the data
             raise ValueError(f"--resume {cfg.out_dir}: --data {cfg.data} is not the data this run was trained on "
                              f"(then {ckpt['data']}, now {fingerprint}): the files were edited, replaced or moved, or the run's "
-                             f"tokenizer files in {cfg.out_dir} were (they make the tokens)")
+                             f"tokenizer files in {cfg.out_dir} were (they make the tokens)" + (
+                                 f", or the code that makes them: the run's token format is {made}, this version's "
+                                 f"{token_files.FORMAT_VERSION} (2: a '[SEP]' written in the text is text): finish the "
+                                 f"run with the version it started with (log.jsonl's git_commit)"
+                                 if made != token_files.FORMAT_VERSION else ""))
         same_on_every_rank(cfg, layout, fingerprint, ckpt)
         self.cfg, self.layout, self.ckpt, self.fingerprint = cfg, layout, ckpt, fingerprint
         self.saved_step, self.log_file, self.diff_name, self.code_changed = 0, None, "code.diff", []
@@ -660,6 +665,7 @@ class Run:
                                  objective=self.objective.state_dict(), optimizer=self.optimizer.state_dict(),
                                  scaler=self.scaler.state_dict(), step=step, loader=self.train_loader.state_dict(),
                                  elapsed_s=elapsed_s, config=asdict(cfg), data=self.fingerprint,
+                                 token_format=token_files.FORMAT_VERSION,  # how the tokens were made
                                  mlm_head_trained=self.trains_head),  # hf_io: --init_from's ckpt.pt says so
                             os.path.join(cfg.out_dir, "ckpt.pt"))
                 self.saved_step = step

@@ -29,6 +29,7 @@ import hf_io
 import losses
 import model
 import rundir
+import token_files
 import train
 from console import Console
 from test_train import write_corpus, read_log
@@ -1131,7 +1132,17 @@ def test_resume_refuses_data_that_changed_and_finds_relative_paths_from_elsewher
     code, _, err = run_main(["--resume", run_dir, "--max_steps", 12], capsys)
     assert code == 2
     one_error(err, "is not the data this run was trained on")
+    assert "the code that makes them" not in err  # ckpt.pt records the token format: the tokens were made as now
     assert hf_io.load_checkpoint_file(str(run_dir / "ckpt.pt"))["step"] == step  # nothing saved was touched
+    # a checkpoint of a version before the token format was recorded: the code may be what changed the tokens (found
+    # resuming older revisions' runs: '[SEP]' in the text was the [SEP] id before 2026-11-27, a cause no file shows)
+    ckpt = hf_io.load_checkpoint_file(str(run_dir / "ckpt.pt"))
+    assert ckpt.pop("token_format") == token_files.FORMAT_VERSION
+    torch.save(ckpt, run_dir / "ckpt.pt")
+    code, _, err = run_main(["--resume", run_dir, "--max_steps", 12], capsys)
+    assert code == 2
+    one_error(err, "is not the data this run was trained on", "or the code that makes them: the run's token format "
+              "is not recorded", "finish the run with the version it started with")
 
 
 def test_init_from_flags_that_cannot_work_are_refused(corpus, cache, tmp_path, capsys):
