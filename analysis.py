@@ -370,6 +370,8 @@ def held_out_documents(text_path, model_path):
     run_dir = model_path if os.path.isdir(model_path) else os.path.dirname(model_path)
     cfg = None
     try:  # train.py's first log line holds data.prepare_data's arguments under their names
+        if not os.path.isfile(os.path.join(run_dir, "log.jsonl")):  # a FIFO's open would wait for a writer forever
+            raise FileNotFoundError(f"no log.jsonl in {run_dir}")
         with open(os.path.join(run_dir, "log.jsonl"), encoding="utf-8") as f:
             cfg = json.loads(f.readline())["config"]
         tok, _, val = data.prepare_data(cfg["data"], cfg["cache_dir"], run_dir, cfg["vocab_size"], cfg["val_fraction"])

@@ -440,6 +440,8 @@ def still_training(path):
     if os.name == "nt":
         return False
     import fcntl
+    if not os.path.isfile(lock):  # none, or a FIFO put there (whose open would wait for a writer forever)
+        return False
     try:
         f = open(lock, encoding="utf-8")
     except OSError:  # no run there, or one that ended (and deleted its .lock) since it was looked for

@@ -16,12 +16,14 @@ It guarantees (test_reliability.py and test_train.py hold it to each):
 - bad input is one `error:` line and exit 2 (under torchrun from rank 0, plus one `error (rank N):` line from
   each other node's first process and from a rank that alone meets it), nothing saved is touched.
 """
+import errno
 import hashlib
 import json
 import math
 import os
 import re
 import socket
+import stat
 import subprocess
 import sys
 from contextlib import contextmanager
@@ -40,6 +42,8 @@ from config import (RankError, TrainConfig, data_path, init_dir, parse_args, poo
 from hf_io import load_checkpoint_file, load_safetensors, still_training
 from model import Bert, BertConfig
 from monitor import Diverged, duration
+
+NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # (Windows has none)
 
 # the files a run writes into out_dir, each through NAME.tmp or NAME.tmpPID and a rename
 RUN_FILES = (r"ckpt\.pt|model\.safetensors|config\.json|tokenizer\.json|vocab\.txt|tokenizer_config\.json|"
@@ -75,6 +79,7 @@ def run_main(train, argv, usage):
             made = None if os.path.isdir(cfg.out_dir) else cfg.out_dir
             lock = take_lock(cfg.out_dir)  # before anything is written there
             remove_partial_writes(cfg.out_dir)
+            check_log_file(cfg.out_dir)
         code = train(cfg, ckpt)
     except ValueError as e:  # bad input: one clear line, exit 2, nothing saved is touched
         if rank == 0:  # once, not once per DDP rank: most bad input is the same on every rank
@@ -183,9 +188,11 @@ def resume_config(cfg, given):
 def last_start_config(run_dir, key="config"):
     """The config (or another part: provenance) of log.jsonl's last start or resume line (the run's latest
     start), or {} when none is readable."""
-    config = {}
+    config, path = {}, os.path.join(run_dir, "log.jsonl")
+    if not os.path.isfile(path):  # none, or a FIFO (whose open would wait for a writer forever)
+        return config
     try:
-        with open(os.path.join(run_dir, "log.jsonl"), encoding="utf-8") as f:
+        with open(path, encoding="utf-8") as f:
             for line in f:
                 if line.startswith('{"config"'):
                     try:
@@ -221,10 +228,17 @@ def take_lock(out_dir, name=".lock", what=None):
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, name)
     while True:
-        try:
-            f = open(path, "a+", encoding="utf-8")
-        except OSError as e:  # .lock is a directory, or unwritable
-            raise ValueError(f"cannot open the lock file {path} ({e.strerror})") from None
+        try:  # never through a symbolic link: the "pid host" below would truncate the file it points to
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | NOFOLLOW, 0o666)
+        except OSError as e:  # .lock is a directory, a symbolic link, or unwritable
+            why = "a symbolic link: a lock file is one this project makes; remove it" if e.errno == errno.ELOOP \
+                else e.strerror
+            raise ValueError(f"cannot open the lock file {path} ({why})") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO or a device put there
+            os.close(fd)
+            raise ValueError(f"cannot open the lock file {path} (not a regular file: a lock file is one this project "
+                             f"makes; remove it)")
+        f = open(path, "a+", encoding="utf-8", opener=lambda *_: fd)  # (named: release_lock removes f.name)
         try:
             if os.name == "nt":  # Windows has no flock: lock the first byte
                 import msvcrt
@@ -310,6 +324,15 @@ def remove_partial_writes(out_dir):
     for name in os.listdir(out_dir):
         if re.fullmatch(rf"({RUN_FILES})\.tmp\d*", name) and os.path.isfile(os.path.join(out_dir, name)):
             os.remove(os.path.join(out_dir, name))
+
+
+def check_log_file(out_dir):
+    """log.jsonl is the one file a run writes in place (appended to, a half-written last line cut): a symbolic link
+    there (a run directory one was handed) would have it write into the file it points to, a FIFO hang the run."""
+    path = os.path.join(out_dir, "log.jsonl")
+    if os.path.islink(path) or os.path.lexists(path) and not os.path.isfile(path):
+        raise ValueError(f"{path} is {'a symbolic link' if os.path.islink(path) else 'not a regular file'}: a run "
+                         f"appends to its own log.jsonl only; replace it with a copy of the file")
 
 
 def atomic_save(obj, path):

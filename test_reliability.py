@@ -757,6 +757,68 @@ def test_a_ckpt_pt_copied_in_from_another_run_is_refused(corpus, cache, tmp_path
     assert (run / "model.safetensors").read_bytes() == export  # the export is untouched
 
 
+@contextmanager
+def no_hang(seconds=20):
+    """A FIFO's open waits for a writer forever: a hang fails the test instead of stalling the suite."""
+    class Hung(BaseException):  # not an Exception: no `except Exception` on the way swallows it
+        pass
+
+    def hung(*_):
+        raise Hung(f"hung for {seconds} s")
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def test_a_handed_run_directory_writes_through_no_link_and_hangs_on_no_fifo(corpus, cache, tmp_path, capsys):
+    """A run directory from someone else (a tarball, a git clone) may hold symbolic links or FIFOs under the names
+    of the run's files. Before: a .lock linked to a file outside was truncated and overwritten with "pid host" (by
+    train.py, and by eval.py's .glue.lock / .analysis.lock in the model's directory), a linked log.jsonl lost its
+    last line and had the run's log appended, a linked NAME.tmp was overwritten by the atomic write; a FIFO .lock
+    hung --init_from and eval.py (still_training), a FIFO log.jsonl hung --resume and eval.py --analysis."""
+    import analysis
+    run = tmp_path / "run"
+    assert run_main(flags(corpus, cache, run, max_steps=10), capsys)[0] == 0
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\nno newline at the end")
+    for name, needle in ((".lock", "a symbolic link: a lock file is one this project makes"),
+                         ("log.jsonl", "log.jsonl is a symbolic link: a run appends to its own log.jsonl only")):
+        handed = tmp_path / f"handed{name}"
+        shutil.copytree(run, handed)
+        (handed / name).unlink(missing_ok=True)
+        (handed / name).symlink_to(victim)
+        code, _, err = run_main(["--resume", handed, "--max_steps", 20], capsys)
+        assert code == 2 and one_error(err, needle)
+        assert victim.read_text() == "precious\nno newline at the end"
+    for name in (".glue.lock", ".analysis.lock"):  # eval.py's, in the model's directory by default
+        (run / name).symlink_to(victim)
+        with pytest.raises(ValueError, match="a symbolic link"):
+            rundir.take_lock(str(run), name)
+        (run / name).unlink()
+    assert victim.read_text() == "precious\nno newline at the end"
+    (tmp_path / "results.json.tmp").symlink_to(victim)  # an atomic write's temporary name, linked out
+    atomic.write_atomic(str(tmp_path / "results.json"), "{}")
+    assert victim.read_text() == "precious\nno newline at the end" and (tmp_path / "results.json").read_text() == "{}"
+    fifo = tmp_path / "fifo"
+    shutil.copytree(run, fifo)
+    os.mkfifo(fifo / ".lock")
+    with no_hang():
+        assert not hf_io.still_training(str(fifo))
+        with pytest.raises(ValueError, match="not a regular file"):
+            rundir.take_lock(str(fifo))
+    os.remove(fifo / ".lock")
+    os.remove(fifo / "log.jsonl")
+    os.mkfifo(fifo / "log.jsonl")
+    with no_hang():
+        code, _, err = run_main(["--resume", fifo, "--max_steps", 20], capsys)
+        assert code == 2 and one_error(err, "log.jsonl is not a regular file")
+        assert "sample corpus" in analysis.held_out_documents(None, str(fifo))[1]
+
+
 def no_space(*_):
     raise OSError(errno.ENOSPC, "No space left on device")
 
