@@ -84,7 +84,8 @@ def from_pretrained(cls, path, mlm_head=True):
         raise ValueError(f"{cfg_path}: not a valid BERT config ({_last_line(e)})") from None
     metadata = {}
     state = _read_weights(path, metadata)
-    _check_sizes(config, state, cfg_path)
+    _check_sizes(config, state, cfg_path, path)
+    _check_finite(state, path)
     model = cls(config)
     if not mlm_head:
         state = {k: v for k, v in state.items() if not k.startswith("cls.")}
@@ -96,23 +97,54 @@ def from_pretrained(cls, path, mlm_head=True):
     return model
 
 
-def _check_sizes(config, state, cfg_path):
-    """config.json's sizes against its weights', before a model of that config is built: one edited to a
-    vocab_size of 10**12 (or a million layers) is this error, not a failed allocation or the OOM killer."""
-    def shape(name):  # BertForMaskedLM's "bert." names or BertModel's bare ones
-        tensor = state.get("bert." + name, state.get(name))
-        return None if tensor is None else tuple(tensor.shape)
+def _check_sizes(config, state, source, weights, ours=False):
+    """config's sizes against its weights' (Hugging Face names; ours: this project's, a ckpt.pt's), before a model
+    of that config is built: one edited to a vocab_size of 10**12 (or a million layers), or whose weights lack the
+    tensor that would show it, is this error, not a failed allocation or the OOM killer."""
     c, D = config, config.hidden_size
-    layers = {m[1] for k in state if (m := re.match(r"(?:bert\.)?encoder\.layer\.(\d+)\.", k))}
-    for names, found, expected in (
-            ("vocab_size, hidden_size", shape("embeddings.word_embeddings.weight"), (c.vocab_size, D)),
-            ("max_position_embeddings", shape("embeddings.position_embeddings.weight"), (c.max_position_embeddings, D)),
-            ("type_vocab_size", shape("embeddings.token_type_embeddings.weight"), (c.type_vocab_size, D)),
-            ("intermediate_size", shape("encoder.layer.0.intermediate.dense.weight"), (c.intermediate_size, D)),
-            ("num_hidden_layers", len(layers), c.num_layers)):
-        if found is not None and found != expected:
-            raise ValueError(f"{cfg_path}: {names} = {expected}, but the weights have {found}: an edited config "
+    if ours:
+        prefix, layer = "", r"encoder\.layers\.(\d+)\."
+        checks = (("vocab_size, pad_vocab_to, hidden_size", "embeddings.word.weight", (c.padded_vocab_size, D)),
+                  ("max_position_embeddings", "embeddings.position.weight", (c.max_position_embeddings, D)),
+                  ("type_vocab_size", "embeddings.token_type.weight", (c.type_vocab_size, D)),
+                  ("intermediate_size", "encoder.layers.0.up.weight", (c.intermediate_size, D)))
+    else:  # BertForMaskedLM's "bert." names or BertModel's bare ones
+        prefix, layer = "bert." if any(k.startswith("bert.") for k in state) else "", r"(?:bert\.)?encoder\.layer\.(\d+)\."
+        checks = (("vocab_size, hidden_size", "embeddings.word_embeddings.weight", (c.vocab_size, D)),
+                  ("max_position_embeddings", "embeddings.position_embeddings.weight", (c.max_position_embeddings, D)),
+                  ("type_vocab_size", "embeddings.token_type_embeddings.weight", (c.type_vocab_size, D)),
+                  ("intermediate_size", "encoder.layer.0.intermediate.dense.weight", (c.intermediate_size, D)))
+    layers = {m[1] for k in state if (m := re.match(layer, k))}
+    for names, name, expected in (*checks, ("num_layers" if ours else "num_hidden_layers", None, c.num_layers)):
+        tensor = state.get(prefix + name) if name else None
+        if name and not torch.is_tensor(tensor):
+            raise ValueError(f"{weights}: missing weight {prefix + name} (not a BERT checkpoint of this shape?)")
+        found = tuple(tensor.shape) if name else len(layers)
+        if found != expected:
+            raise ValueError(f"{source}: {names} = {expected}, but the weights have {found}: an edited config "
                              f"or another model's weights")
+
+
+def checkpoint_config(ckpt, path):
+    """The BertConfig of a training checkpoint (load_checkpoint_file's), checked against its weights' sizes and
+    values before a model is built (from_pretrained, --init_from, --resume): a model_config edited to a huge size is
+    one ValueError, not an allocation the OOM killer ends; NaN or inf weights (never saved by train.py) one too."""
+    from model import BertConfig  # here, not at the top: model imports this module
+    names = {f.name for f in fields(BertConfig)}
+    try:
+        config = BertConfig(**{k: v for k, v in ckpt["model_config"].items() if k in names})
+    except (AttributeError, TypeError, ValueError) as e:  # model_config not a dict, or a value BertConfig refuses
+        raise ValueError(f"{path}: not a valid model config ({_last_line(e)})") from None
+    _check_sizes(config, ckpt["model"], path, path, ours=True)
+    _check_finite(ckpt["model"], path)
+    return config
+
+
+def _check_finite(state, source):
+    """NaN or inf in a weight: a diverged or damaged model, which would load and score (or train) as NaN."""
+    for name, tensor in state.items():
+        if torch.is_tensor(tensor) and tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise ValueError(f"{source}: weight {name} holds NaN or inf values (a diverged or damaged model)")
 
 
 def load_hf_state_dict(model, state, source="checkpoint"):
@@ -412,13 +444,9 @@ def _last_line(e):
 
 
 def _load_project_checkpoint(path):
-    from model import Bert, BertConfig  # here, not at the top: model imports this module
+    from model import Bert  # here, not at the top: model imports this module
     ckpt = load_checkpoint_file(path)
-    names = {f.name for f in fields(BertConfig)}
-    try:
-        config = BertConfig(**{k: v for k, v in ckpt["model_config"].items() if k in names})
-    except (AttributeError, ValueError) as e:  # model_config not a dict, or a value BertConfig refuses
-        raise ValueError(f"{path}: not a valid model config ({_last_line(e)})") from None
+    config = checkpoint_config(ckpt, path)
     model = Bert(config)
     if "pooler.weight" in ckpt["model"]:
         model.pooler = nn.Linear(model.config.hidden_size, model.config.hidden_size)

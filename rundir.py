@@ -39,7 +39,7 @@ import token_files
 from atomic import replace_atomic, strict_json, write_atomic
 from config import (RankError, TrainConfig, data_path, init_dir, parse_args, pooled, unread_flags, validate,
                     warmup_note)
-from hf_io import load_checkpoint_file, load_safetensors, still_training
+from hf_io import checkpoint_config, load_checkpoint_file, load_safetensors, still_training
 from model import Bert, BertConfig
 from monitor import Diverged, duration
 
@@ -144,6 +144,7 @@ def resume_config(cfg, given):
     if missing or unknown:
         raise ValueError(f"--resume {path}: not a resumable checkpoint of this version (missing "
                          f"{sorted(missing)}, unknown model_config keys {sorted(unknown)})")
+    checkpoint_config(ckpt, f"--resume {path}")  # its sizes against its weights: never a model built too big to fit
     if type(ckpt["step"]) is not int or ckpt["step"] < 0:
         raise ValueError(f"--resume {path}: its step is {ckpt['step']!r}, not an integer >= 0 (an edited or corrupt "
                          f"checkpoint)")

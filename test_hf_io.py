@@ -176,6 +176,48 @@ def test_a_config_that_does_not_fit_its_weights_is_refused_before_the_model_is_b
     assert str(info.value) == f"{tmp_path / 'config.json'}: {problem}: an edited config or another model's weights"
 
 
+@pytest.mark.parametrize("edit,problem", [
+    ({"vocab_size": 10 ** 10}, "vocab_size, pad_vocab_to, hidden_size = (10000000000, 32), but the weights have (128, 32)"),
+    ({"pad_vocab_to": 10 ** 12}, "vocab_size, pad_vocab_to, hidden_size = (1000000000000, 32)"),
+    ({"num_layers": 10 ** 6}, "num_layers = 1000000, but the weights have 2"),
+    ({"hidden_size": 2 ** 20, "num_heads": 1}, "hidden_size = (128, 1048576), but the weights have (128, 32)"),
+    ({"intermediate_size": 10 ** 9}, "intermediate_size = (1000000000, 32), but the weights have (64, 32)")])
+def test_a_checkpoint_whose_model_config_its_weights_do_not_have_is_refused_before_the_model_is_built(
+        tmp_path, edit, problem):
+    # a ckpt.pt (from_pretrained, --init_from, --resume) built its model_config's model before loading the weights:
+    # edited to these sizes, a failed allocation of terabytes (a traceback), or a million layers the OOM killer ended
+    ours = Bert(BertConfig(**TINY))
+    torch.save({"model": ours.state_dict(), "model_config": {**ours.config.__dict__, **edit}}, tmp_path / "ckpt.pt")
+    with pytest.raises(ValueError) as info:
+        Bert.from_pretrained(str(tmp_path / "ckpt.pt"))
+    assert str(info.value).startswith(f"{tmp_path / 'ckpt.pt'}: ") and problem in str(info.value)
+
+
+def test_weights_that_lack_the_tensor_showing_a_size_or_hold_nan_are_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+    ours = Bert(BertConfig(**TINY))
+    ours.save_pretrained(str(tmp_path))
+    state, cfg = load_file(tmp_path / "model.safetensors"), json.load(open(tmp_path / "config.json"))
+    # the size check skipped a missing tensor, so the model of the edited config was built before it was missed
+    for name, key in (("bert.embeddings.word_embeddings.weight", "vocab_size"),
+                      ("bert.encoder.layer.0.intermediate.dense.weight", "intermediate_size")):
+        save_file({k: v for k, v in state.items() if k != name}, tmp_path / "model.safetensors")
+        json.dump({**cfg, key: 10 ** 10}, open(tmp_path / "config.json", "w"))
+        with pytest.raises(ValueError, match=re.escape(f"{tmp_path}: missing weight {name}")):
+            Bert.from_pretrained(str(tmp_path))
+    # NaN or inf weights (no weights_sha1 to catch them: safetensors written by another tool) loaded and scored as NaN
+    json.dump(cfg, open(tmp_path / "config.json", "w"))
+    state["bert.encoder.layer.1.output.dense.bias"][3] = float("nan")
+    save_file(state, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="weight bert.encoder.layer.1.output.dense.bias holds NaN or inf"):
+        Bert.from_pretrained(str(tmp_path))
+    weights = ours.state_dict()
+    weights["embeddings.ln.weight"][0] = float("inf")
+    torch.save({"model": weights, "model_config": ours.config.__dict__}, tmp_path / "ckpt.pt")
+    with pytest.raises(ValueError, match="weight embeddings.ln.weight holds NaN or inf"):
+        Bert.from_pretrained(str(tmp_path / "ckpt.pt"))
+
+
 def test_hf_checkpoints_this_bert_cannot_hold_are_refused(tmp_path):
     # an untied decoder, a causal decoder, an extra layer: each would load silently wrong, so each is refused
     def cfg(**kw):

@@ -819,6 +819,20 @@ def test_a_handed_run_directory_writes_through_no_link_and_hangs_on_no_fifo(corp
         assert "sample corpus" in analysis.held_out_documents(None, str(fifo))[1]
 
 
+def test_a_resume_checkpoint_whose_model_config_its_weights_do_not_have_is_one_error_line(corpus, cache, tmp_path,
+                                                                                          capsys):
+    # the model was built from model_config after tokenizing: a vocab_size of 10**10 was a failed allocation of 5 TB, a
+    # traceback (a million layers grew until the OOM killer: test_hf_io.py checks that one, through the same function)
+    run = tmp_path / "run"
+    assert run_main(flags(corpus, cache, run, max_steps=10), capsys)[0] == 0
+    ckpt = torch.load(run / "ckpt.pt", weights_only=True)
+    for key, value, needle in (("vocab_size", 10 ** 10, "vocab_size, pad_vocab_to, hidden_size = (10000000000, "),
+                               ("intermediate_size", 10 ** 9, "intermediate_size = (1000000000, 128), but")):
+        torch.save({**ckpt, "model_config": {**ckpt["model_config"], key: value}}, run / "ckpt.pt")
+        code, _, err = run_main(["--resume", run, "--max_steps", 20], capsys)
+        assert code == 2 and one_error(err, f"--resume {run / 'ckpt.pt'}: {needle}")
+
+
 def no_space(*_):
     raise OSError(errno.ENOSPC, "No space left on device")
 
