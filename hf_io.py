@@ -339,6 +339,8 @@ def _read_weights(path, metadata=None):
                 return {k: v for shard in shards for k, v in load(os.path.join(path, shard)).items()}
         except ValueError:
             raise
+        except PermissionError as e:  # not corrupt: the user may not read it
+            raise ValueError(f"{path}: cannot read its weights ({e.strerror}: {e.filename})") from None
         except Exception as e:
             fix = _rewrite_hint(path) if name == "model.safetensors" else ""
             raise ValueError(f"{path}: corrupt weights file ({type(e).__name__}: {_last_line(e)}){fix}") from None
@@ -359,6 +361,7 @@ def load_safetensors(path, metadata=None):
     has no checksum of its own, so bytes changed on disk would load as garbled weights. metadata (a dict)
     receives the file's metadata, read from the same open file as the weights (training_step: their step)."""
     from safetensors import safe_open
+    open(path, "rb").close()  # safetensors words a file it may not read "No such file or directory"
     with safe_open(path, "pt") as f:
         found = f.metadata() or {}
         expected = found.get("weights_sha1")

@@ -94,6 +94,23 @@ def test_bad_checkpoints_are_clear_errors(tmp_path):
             Bert.from_pretrained(str(tmp_path / name))
 
 
+def test_weights_the_user_may_not_read_are_not_called_corrupt(tmp_path, monkeypatch):
+    # safetensors says "No such file or directory" of a file it may not read: "corrupt weights file (FileNotFoundError"
+    # with a hint to rewrite it, for a file that is there and whole. (Root reads any file: open is refused here.)
+    import builtins
+    Bert(BertConfig(**TINY)).save_pretrained(str(tmp_path))
+    weights, real_open = str(tmp_path / "model.safetensors"), builtins.open
+
+    def refusing_open(file, *args, **kwargs):
+        if str(file) == weights:
+            raise PermissionError(13, "Permission denied", weights)
+        return real_open(file, *args, **kwargs)
+    monkeypatch.setattr(builtins, "open", refusing_open)
+    with pytest.raises(ValueError) as info:
+        Bert.from_pretrained(str(tmp_path))
+    assert str(info.value) == f"{tmp_path}: cannot read its weights (Permission denied: {weights})"
+
+
 def test_bytes_flipped_inside_a_checkpoint_tensor_are_refused(tmp_path):
     """torch.load never checks the zip records' CRC-32: a flipped byte in a tensor loaded as a garbled weight."""
     path = tmp_path / "ckpt.pt"
