@@ -194,6 +194,23 @@ def test_alphabet_counts_each_text_once_across_its_buffers():
     assert token_files.alphabet([["x"] * 4096, ["y"] * 5000], BertNormalizer(lowercase=True), limit=1) == (["y"], ["y"])
 
 
+def test_alphabet_holds_a_bounded_share_of_long_texts():
+    # long documents come as corpus._cut's 256K-character pieces: 4,096 of them were held, joined, widened to UTF-32
+    # and int64 before being counted (~14 GB); the pass holds about ALPHABET_CHARS characters at a time
+    import tracemalloc
+    pieces = lambda: ([f"{i % 10:05d} " * 10_000] for i in range(256))  # 256 fresh 60K-character texts, 15M in all
+    tracemalloc.start()
+    try:
+        held = tracemalloc.get_traced_memory()[0]
+        alphabet, _ = token_files.alphabet(pieces(), BertNormalizer(lowercase=True), limit=None)
+        peak = tracemalloc.get_traced_memory()[1] - held
+    finally:
+        tracemalloc.stop()
+    assert alphabet == list("0123456789")
+    # ~14 bytes a character counted, and the 8.9 MB of counts; all 15M characters at once: ~215 MB
+    assert peak < 1.5 * token_files.ALPHABET_CHARS * 14 + 12e6, f"{peak / 2**20:.0f} MiB"
+
+
 def test_transformers_autotokenizer(tok_dir, tmp_path):
     transformers = pytest.importorskip("transformers")
     tok = data.load_tokenizer(tok_dir)

@@ -69,6 +69,7 @@ from corpus import first_line, quiet_hub
 
 FORMAT_VERSION = 2  # bump when the stream layout changes: old token files are then ignored (2: "[SEP]" in text is text)
 CORPUS_KEY_VERSION = 1  # in the corpus key, so in the trained tokenizer's name: bump only when its training changes
+ALPHABET_CHARS = 1 << 20  # characters counted at a time by alphabet(): ~14 MB
 CHECKSUM_CHUNKS = 1024  # a token cache over CHECKSUM_CHUNKS x 64 KiB is checksummed on that many samples
 
 
@@ -80,16 +81,21 @@ def alphabet(texts, normalizer, limit):
     continue a word (not punctuation, not CJK, which the pre-tokenizer isolates). It says (one note each) when
     the normalizer strips the marks of more than 0.5% of the characters (accents, but also й, で, Devanagari's
     vowel signs) or the limit sends more than 0.1% of them to [UNK] (Chinese, Japanese, emoji)."""
-    counts, buffer = np.zeros(0x110000, dtype=np.int64), []
+    counts, buffer, chars = np.zeros(0x110000, dtype=np.int64), [], 0
     def count(strings):  # numpy on code points: 0.4 s for 20 MB of Wikipedia, 6.5 s via normalize_str
         codes = np.frombuffer("".join(strings).encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
         found = np.bincount(codes)
         counts[:len(found)] += found
     for item in texts:
-        buffer.extend([item] if isinstance(item, str) else [t for t in item if t])
-        if len(buffer) >= 4096:
+        item = [item] if isinstance(item, str) else [t for t in item if t]
+        buffer.extend(item)
+        chars += sum(map(len, item))
+        # counted every 4,096 texts or ALPHABET_CHARS characters, ~14 bytes each while counted (the texts, their
+        # join, UTF-32, bincount's int64): 4,096 of corpus._cut's 256K-character pieces (long documents, a one-line
+        # file) were 1G characters, ~14 GB (400 of them measured 1.3 GB)
+        if len(buffer) >= 4096 or chars >= ALPHABET_CHARS:
             count(buffer)
-            buffer = []
+            buffer, chars = [], 0
     count(buffer)
     # normalizing each distinct raw character = normalizing the text: BertNormalizer is per character
     normalized, stripped = {}, {}  # stripped: raw character -> (count, normalized) where marks were removed
