@@ -378,6 +378,27 @@ def test_one_enormous_line_is_read_in_bounded_batches_of_the_same_tokens(tmp_pat
     assert cut[0].get_vocab() == whole[0].get_vocab() and np.array_equal(cut[1], whole[1])
 
 
+def test_long_rows_are_made_strings_a_bounded_batch_at_a_time(tmp_path, monkeypatch):
+    # 2,000 rows were made Python strings at once: a corpus of long documents (books, one a row) with fewer rows than
+    # that was held whole in each pass over it (51 MB of 500K-character rows: +117 MiB, twice that for 102 MB)
+    import hashlib
+    import tracemalloc
+    rows = [" ".join(f"w{i}x{j % 97}" for j in range(5000)) for i in range(40)]  # 40 rows of ~33K characters
+    (tmp_path / "books.jsonl").write_text("".join(json.dumps({"text": r}) + "\n" for r in rows))
+    parts = corpus.load_corpus(str(tmp_path / "books.jsonl"), [tmp_path / "books.jsonl"], tmp_path / "cache")
+    monkeypatch.setattr(corpus, "BATCH_CHARS", 50_000)
+    seen, expected = hashlib.sha1(), hashlib.sha1("|".join(rows).encode())
+    tracemalloc.start()
+    try:
+        for batch in corpus.pieces(parts):  # each batch dropped once hashed
+            seen.update("".join("|" if p is None else p for p in batch).encode())
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert seen.hexdigest() == expected.hexdigest()  # the same pieces, the same document boundaries
+    assert peak < 400_000, f"{peak:,} bytes traced: the 40 rows are {sum(map(len, rows)):,} characters"
+
+
 def test_cutting_a_line_copies_one_piece_at_a_time(monkeypatch):
     # _cut kept the rest of the line as a new string after each piece: each cut copied the line's tail, quadratic in
     # its length (100 MB, text8's size: 11 s a pass, and a tokenizer is made in three; 300 MB: 120 s) with two copies
