@@ -165,6 +165,31 @@ def test_pair_truncation_matches_tokenizers(tokenizer_dir):
             assert [int(t >= single.segment_b[i]) for t in range(single.lengths[i])] == e.type_ids
 
 
+def test_encode_task_tokenizes_a_bounded_number_of_rows_at_a_time(tokenizer_dir, monkeypatch):
+    # a task's whole train set was tokenized at once, its Encodings and lists of Python ints alive together: ~120 bytes
+    # a token (87k QNLI pairs: +621 MiB; MNLI's 393k: ~2 GB), where its int32 rows need 4
+    from datasets import Dataset
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    rng = np.random.default_rng(0)
+    words = "good bad film cat sat mat the journey rocks".split()
+    ds = Dataset.from_dict(dict(text_a=[" ".join(rng.choice(words, rng.integers(1, 14))) for _ in range(40)],
+                                text_b=[" ".join(rng.choice(words, rng.integers(1, 14))) for _ in range(40)],
+                                label=[0] * 40))
+    whole = ev.encode_task(tok, ds, 12, 2, 3)
+    monkeypatch.setattr(ev, "ENCODE_ROWS", 7, raising=False)
+    calls = []
+
+    class Counting:  # the tokenizer, recording how many texts each batch call encodes
+        def __getattr__(self, name):
+            f = getattr(tok, name)
+            return (lambda texts, **kw: calls.append(len(texts)) or f(texts, **kw)) if name.startswith("encode_batch") else f
+    chunked = ev.encode_task(Counting(), ds, 12, 2, 3)
+    assert max(calls) == 7 and sum(calls) == 80  # text_a and text_b, 7 rows at a time
+    assert [r.tolist() for r in chunked.input_ids] == [r.tolist() for r in whole.input_ids]
+    assert np.array_equal(chunked.segment_b, whole.segment_b) and np.array_equal(chunked.lengths, whole.lengths)
+
+
 def test_batches_and_collate():
     rng = np.random.default_rng(0)
     lengths = rng.integers(3, 40, 1000)
