@@ -44,12 +44,12 @@ import torch.nn.functional as F
 import data
 from atomic import replace_atomic, strict_json, write_atomic
 from config import dir_problem
-from corpus import read_text
+from corpus import read_text, resolve_files
 from glue_tasks import TASKS, load_hub, read_tsv
 from hf_io import still_training
 from model import Bert
 from rundir import locked, move_aside
-from token_files import vocab_matches
+from token_files import cache_ok, corpus_key, tokens_file, vocab_matches
 
 ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
 WORDSIM353 = os.path.join(ASSETS, "wordsim353", "combined.csv")
@@ -374,19 +374,34 @@ def held_out_documents(text_path, model_path):
             raise FileNotFoundError(f"no log.jsonl in {run_dir}")
         with open(os.path.join(run_dir, "log.jsonl"), encoding="utf-8") as f:
             cfg = json.loads(f.readline())["config"]
+        hub_split_cached(cfg, run_dir)
         tok, _, val = data.prepare_data(cfg["data"], cfg["cache_dir"], run_dir, cfg["vocab_size"], cfg["val_fraction"])
     except Exception as e:
         if cfg is not None and isinstance(e, OSError):  # the cache cannot be written (full, read-only): eval.py's
             raise  # exit-1 line, as train.py's, not the sample corpus analysed in the split's place
         sample = getattr(data, "SAMPLE_CORPUS", None)
         if sample and os.path.isfile(sample):
-            return read_lines(sample), f"{os.path.basename(sample)} (sample corpus; no validation split of {run_dir})"
+            why = f": {e}" if isinstance(e, LookupError) else ""
+            return read_lines(sample), f"{os.path.basename(sample)} (sample corpus; no validation split of {run_dir}{why})"
         raise ValueError(f"no held-out text: pass --text FILE (validation split of {run_dir} unavailable: "
                          f"{type(e).__name__}: {e})") from None
     stream = np.asarray(val[:2_000_000]).astype(np.int64)
     cuts = np.flatnonzero(stream == tok.token_to_id("[SEP]"))
     docs = np.split(stream, cuts + 1)
     return [tok.decode(d.tolist()) for d in docs if len(d) > 1], f"{run_dir} validation split"
+
+
+def hub_split_cached(cfg, run_dir):
+    """A run trained on a hub dataset has its validation split here only in the token cache: without it, reading the
+    split would download the whole corpus (all of English Wikipedia, for a run handed over or copied to another
+    machine) and tokenize it, for 1000 sentences. LookupError (the sample corpus, said why) when it is not there."""
+    if resolve_files(cfg["data"]) is not None:  # local files: the user's own, read as train.py read them
+        return
+    tok = data.load_tokenizer(run_dir)
+    dtype = np.uint16 if tok.get_vocab_size() < 2 ** 16 else np.uint32  # as token_files.CorpusCache.tokens
+    if not cache_ok(tokens_file(cfg["cache_dir"], corpus_key(cfg["data"], None), tok, dtype)):
+        raise LookupError(f"the hub dataset {cfg['data']} is not in its token cache {cfg['cache_dir']}, and an "
+                          f"analysis downloads no corpus: pass --text FILE")
 
 
 def tokenizer_problem(model, tok, path):

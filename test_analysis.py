@@ -1019,3 +1019,24 @@ def test_glyphs_the_plot_font_lacks_are_one_note_not_a_warning_each(tmp_path, ca
     assert not [w for w in recwarn if "missing from font" in str(w.message)]
     out = capsys.readouterr().out
     assert out.count("note: heatmap.png: its font has no glyph for") == 1, out
+
+
+def test_a_hub_runs_split_is_read_from_its_token_cache_and_never_downloaded(tok, tmp_path, monkeypatch):
+    # a run trained on a hub dataset, analysed where its token cache is not (handed over, copied to a laptop): the
+    # analysis downloaded the whole corpus (English Wikipedia, by default) and tokenized it, for 1000 sentences
+    import datasets
+    rows = ["\n".join(make_text(3, seed)) for seed in range(40)]
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: datasets.Dataset.from_dict({"text": rows}))
+    run = save_model(tiny_bert(tok.get_vocab_size()), tok, tmp_path / "run")
+    config = dict(data="someone/corpus:en", cache_dir=str(tmp_path / "cache"), vocab_size=300, val_fraction=0.2)
+    (tmp_path / "run" / "log.jsonl").write_text(json.dumps({"config": config}) + "\n")
+    A.data.prepare_data(config["data"], config["cache_dir"], run, 300, 0.2)  # train.py's own preparation
+    downloads = []
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: downloads.append(a))
+    documents, source = A.held_out_documents(None, run)
+    assert source.endswith("validation split") and len(A.load_sentences(documents, 1000)) > 5 and not downloads
+    config["cache_dir"] = str(tmp_path / "elsewhere")  # the cache is not on this machine
+    (tmp_path / "run" / "log.jsonl").write_text(json.dumps({"config": config}) + "\n")
+    documents, source = A.held_out_documents(None, run)
+    assert not downloads and "sample corpus" in source, source
+    assert "someone/corpus:en is not in its token cache" in source and "pass --text FILE" in source
