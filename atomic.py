@@ -10,8 +10,8 @@ test_a_full_disk_anywhere_is_one_error_line_and_keeps_the_last_checkpoint; test_
 for their writers):
 - a file appears whole under its name: written to a temporary file, fsynced, then os.replace'd, so neither a
   kill nor a power cut (the data is on disk before the rename) leaves a partial or empty file there;
-- it never writes through a link: a temporary file already there (a symbolic link to a file elsewhere, in a
-  directory one was handed) is removed first, not overwritten where it points;
+- it never writes through a link: a temporary file already there (a symbolic link to a file elsewhere, or a
+  FIFO, in a directory one was handed) is removed first, not overwritten where it points nor waited on;
 - a write that fails (a full disk, an exception, Ctrl-C) removes its temporary file before the error goes on (a
   kill's is removed by the next run), and an OSError that names no file names `path`;
 - the JSON written through strict_json is strict (RFC 8259): a NaN or +-inf float, which Python's json writes as a
@@ -27,8 +27,9 @@ def replace_atomic(path, write, tmp=None):
     """write(tmp), fsync, then os.replace(tmp, path)."""
     tmp = tmp or path + ".tmp"
     try:
-        if os.path.islink(tmp) or os.path.isfile(tmp):  # a kill's leftover, or a link in a directory one was handed:
-            os.remove(tmp)  # written through, it would overwrite the file it points to, wherever that is
+        if os.path.islink(tmp) or os.path.lexists(tmp) and not os.path.isdir(tmp):  # a kill's leftover, or a link
+            os.remove(tmp)  # or FIFO in a directory one was handed: written through, a link would overwrite the file
+            # it points to, wherever that is, and a FIFO's open would wait for a reader forever
         write(tmp)
         with open(tmp, "rb+") as f:  # rb+: Windows' fsync wants a writable handle; nothing is truncated
             os.fsync(f.fileno())

@@ -230,6 +230,8 @@ def take_lock(out_dir, name=".lock", what=None):
     path = os.path.join(out_dir, name)
     while True:
         try:  # never through a symbolic link: the "pid host" below would truncate the file it points to
+            if not NOFOLLOW and os.path.islink(path):  # Windows: no O_NOFOLLOW to refuse it
+                raise OSError(errno.ELOOP, "a symbolic link")
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | NOFOLLOW, 0o666)
         except OSError as e:  # .lock is a directory, a symbolic link, or unwritable
             why = "a symbolic link: a lock file is one this project makes; remove it" if e.errno == errno.ELOOP \
@@ -463,6 +465,8 @@ def export_step(out_dir):
     None when the two disagree, are missing or the weights are corrupt."""
     try:
         from safetensors import safe_open
+        if not all(os.path.isfile(os.path.join(out_dir, f)) for f in ("model.safetensors", "config.json")):
+            return None  # missing, or a FIFO (whose open would wait for a writer forever): the export is rewritten
         with safe_open(os.path.join(out_dir, "model.safetensors"), "pt") as f:
             weights_step = (f.metadata() or {}).get("training_step")
         load_safetensors(os.path.join(out_dir, "model.safetensors"))  # checks its weights_sha1

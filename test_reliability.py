@@ -819,6 +819,70 @@ def test_a_handed_run_directory_writes_through_no_link_and_hangs_on_no_fifo(corp
         assert "sample corpus" in analysis.held_out_documents(None, str(fifo))[1]
 
 
+RELEASE_FIFOS = """
+import os, sys, time
+time.sleep(float(sys.argv[1]))
+open(sys.argv[2], "w").close()  # the test waited: it fails
+while True:  # a writer waits for a reader, a reader for a writer: open the other end
+    for fifo in sys.argv[3:]:
+        for mode in (os.O_RDONLY, os.O_WRONLY):
+            try:
+                os.close(os.open(fifo, mode | os.O_NONBLOCK))
+            except OSError:  # no reader yet (ENXIO), or the FIFO is gone
+                pass
+    time.sleep(0.2)
+"""
+
+
+@contextmanager
+def fifos_released(tmp_path, *fifos, seconds=20):
+    """Fails the test when something waits on one of these FIFOs for `seconds`, then ends the wait by opening its
+    other end, from another process: an open in Rust (safetensors') holds the GIL and retries past a signal."""
+    marker = tmp_path / "waited_on_a_fifo"
+    helper = subprocess.Popen([sys.executable, "-c", RELEASE_FIFOS, str(seconds), marker, *fifos])
+    try:
+        yield
+    finally:
+        helper.kill()
+        helper.wait()
+    assert not marker.exists(), f"waited {seconds} s on {', '.join(map(str, fifos))}"
+
+
+def test_fifos_under_the_other_run_file_names_hang_nothing(corpus, cache, tmp_path, capsys, monkeypatch):
+    """The handed-directory test's FIFOs under the names it did not cover: an atomic write's NAME.tmp (eval.py's
+    glue.json.tmp in the model's directory), the export a --resume checks (model.safetensors, config.json) and the
+    tokenizer_config.json that every read of the run's tokenizer opens: each hung the run or eval.py. And a .lock
+    linked out where the OS has no O_NOFOLLOW (Windows) is refused as on Linux, not truncated."""
+    run = tmp_path / "run"
+    assert run_main(flags(corpus, cache, run, max_steps=10), capsys)[0] == 0
+    os.mkfifo(tmp_path / "glue.json.tmp")
+    with fifos_released(tmp_path, tmp_path / "glue.json.tmp"):
+        atomic.write_atomic(str(tmp_path / "glue.json"), "{}")
+    assert (tmp_path / "glue.json").read_text() == "{}" and not (tmp_path / "glue.json.tmp").exists()
+    for name, steps in (("model.safetensors", 11), ("config.json", 12)):  # rewritten from ckpt.pt, as a missing one
+        os.remove(run / name)
+        os.mkfifo(run / name)
+        with fifos_released(tmp_path, run / name):
+            code, out, err = run_main(["--resume", run, "--max_steps", steps], capsys)
+        assert code == 0, err
+        assert (run / name).is_file() and "rewrote the Hugging Face export" in out
+    os.remove(run / "tokenizer_config.json")
+    os.mkfifo(run / "tokenizer_config.json")
+    with fifos_released(tmp_path, run / "tokenizer_config.json"):
+        code, _, err = run_main(["--resume", run, "--max_steps", 13], capsys)
+        with pytest.raises(ValueError, match="not a regular file"):
+            data.load_tokenizer(run)
+    assert code == 2 and one_error(err, "tokenizer_config.json: not a regular file")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    (tmp_path / "windows").mkdir()
+    (tmp_path / "windows" / ".lock").symlink_to(victim)
+    monkeypatch.setattr(rundir, "NOFOLLOW", 0)
+    with pytest.raises(ValueError, match="a symbolic link: a lock file is one this project makes"):
+        rundir.take_lock(str(tmp_path / "windows"))
+    assert victim.read_text() == "precious"
+
+
 def test_a_resume_checkpoint_whose_model_config_its_weights_do_not_have_is_one_error_line(corpus, cache, tmp_path,
                                                                                           capsys):
     # the model was built from model_config after tokenizing: a vocab_size of 10**10 was a failed allocation of 5 TB, a

@@ -147,6 +147,8 @@ def read_tokenizer(path):
     if path.is_dir():
         config = path / "tokenizer_config.json"
         if config.exists():  # HF BertTokenizer's options for a bare vocab.txt
+            if not config.is_file():  # a FIFO's read would wait for a writer forever
+                raise ValueError(f"cannot read tokenizer config {config}: not a regular file")
             try:
                 options = json.loads(config.read_text(encoding="utf-8"))
                 options = dict(lowercase=options.get("do_lower_case", True), strip_accents=options.get("strip_accents"),
