@@ -142,8 +142,9 @@ def checkpoint_config(ckpt, path):
 
 def _check_finite(state, source):
     """NaN or inf in a weight: a diverged or damaged model, which would load and score (or train) as NaN."""
-    for name, tensor in state.items():
-        if torch.is_tensor(tensor) and tensor.is_floating_point() and not torch.isfinite(tensor).all():
+    for name, tensor in state.items():  # a finite sum has no NaN or inf (0.05 s for BERT-base; the check alone 0.5)
+        if torch.is_tensor(tensor) and tensor.is_floating_point() and not torch.isfinite(tensor.sum()) \
+                and not torch.isfinite(tensor).all():
             raise ValueError(f"{source}: weight {name} holds NaN or inf values (a diverged or damaged model)")
 
 
