@@ -37,7 +37,7 @@ class TrainConfig:
     tokenizer: str = ""  # tokenizer.json, vocab.txt, a dir with them or a hub name (bert-base-uncased); empty = the init_from dir's, else train one
     vocab_size: int = 30522  # size of a newly trained WordPiece vocabulary (BERT's 30,522; smoke: 8,192)
     cased: bool = False  # a trained tokenizer keeps case and accents (multilingual BERT cased); default: uncased, accents and other marks stripped (BERT-uncased)
-    limit_alphabet: int = LIMIT_ALPHABET  # a trained tokenizer's characters: the most frequent N (rarer ones become [UNK]); 0 = all (CJK text needs thousands)
+    limit_alphabet: int = LIMIT_ALPHABET  # a trained tokenizer's characters: the most frequent N (rarer ones become [UNK]); 0 = all (CJK text needs thousands; every character is a token, so the vocabulary may outgrow --vocab_size)
     val_fraction: float = 0.005  # share of the corpus held out for the validation MLM loss (at least 16,384 tokens, up to 10% of a small corpus)
     cache_dir: str = "cache"  # tokenizers and token files, reused across runs
     seq_len: int = 128  # tokens per packed block, [CLS] and [SEP] included
