@@ -73,7 +73,7 @@ class _ZstdReader:
     def read(self, size=-1):
         while size < 0 or len(self.out) < size:
             ended = self.frame is not None and self.frame.eof
-            data = (self.frame.unused_data if ended else b"") or self.file.read(1 << 20)
+            data = (self.frame.unused_data if ended else b"") or self.file.read(1 << 10)  # 1 KiB: at most ~32 MB out (zstd tops out near 32,000:1)
             if not data:
                 if self.frame is not None and not ended:
                     raise EOFError("Compressed file ended before the end of its last zstd frame")

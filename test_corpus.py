@@ -858,3 +858,22 @@ def test_blank_jsonl_rows_are_no_documents(tok_dir, tmp_path):
     assert (stream == sep).sum() == 1 and stream[0] != sep and stream[-1] != sep
     (tmp_path / "clean.jsonl").write_text("".join(line + "\n" for line in lines if "river" in line or "engine" in line))
     assert np.array_equal(_stream(tok_dir, tmp_path / "clean.jsonl", tmp_path)[1], stream)
+
+
+def test_a_zst_that_expands_enormously_is_read_in_bounded_memory(tmp_path):
+    # 512 MB of zeros in 16 kB of .zst: the reader fed 1 MiB of input a step, whose output (the whole 512 MB here,
+    # up to ~32 GB at zstd's highest ratio) was held at once, even for a read(64)
+    zstandard = pytest.importorskip("zstandard")
+    import tracemalloc
+    with open(tmp_path / "zeros.txt.zst", "wb") as f, zstandard.ZstdCompressor().stream_writer(f) as w:
+        for _ in range(32):
+            w.write(bytes(1 << 24))
+    assert (tmp_path / "zeros.txt.zst").stat().st_size < 1 << 20
+    tracemalloc.start()
+    try:
+        with corpus.DECOMPRESS[".zst"](tmp_path / "zeros.txt.zst", "rb") as f:
+            assert f.read(1 << 20) == bytes(1 << 20)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 100e6, f"{peak / 1e6:.0f} MB traced"
