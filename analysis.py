@@ -647,7 +647,8 @@ def set_aside_earlier(out, head, paths, log=print, stsb=None):
 
 def run_analysis(args):
     """eval.py --analysis. Reads args.model (run dirs, HF dirs or ckpt.pt files), args.out
-    (default: the first model's directory) and args.text; optional: num_sentences, max_len,
+    (default: the first model's directory) and args.text (default: the first cased model's validation split, else
+    the first model's); optional: num_sentences, max_len,
     glue_dir (STS-B/dev.tsv; default the hub), seed, device. Writes analysis.json and the
     analysis_*.png plots into out and returns the results dict."""
     given = {k: v for k, v in vars(args).items() if v is not None}
@@ -660,15 +661,19 @@ def run_analysis(args):
     problem = dir_problem(out)
     if problem:  # before any work: the default --out is the model's own directory
         raise ValueError(f"cannot write the analysis into {out}: it {problem}; pass --out DIR")
+    cased = []  # a model whose tokenizer keeps case and accents: the held-out split is decoded from the first such
     for path in models:  # every model checked first, one at a time: a bad --model is one line before any work
         model, tok = Bert.from_pretrained(path), load_tokenizer(path)
+        if tok.normalizer is None or tok.normalizer.normalize_str("Éa") == "Éa":
+            cased.append(path)
         problem = tokenizer_problem(model, tok, path)
         if problem:
             raise ValueError(problem)
         if "max_len" in given and args.max_len > model.config.max_position_embeddings:  # as eval.py's GLUE refuses
             raise ValueError(f"--max_len {args.max_len}: exceeds {path}'s {model.config.max_position_embeddings} positions")
         del model  # loaded again at its turn: six base models at once would hold 2.6 GB
-    documents, text_source = held_out_documents(args.text, models[0])
+    # an uncased model's split decodes lowercased, its accents stripped: a cased one would be scored on that text
+    documents, text_source = held_out_documents(args.text, (cased or models)[0])
     sentences = load_sentences(documents, args.num_sentences, args.seed)
     if len(sentences) < 2:
         raise ValueError(f"{text_source}: fewer than 2 sentences of 5+ words")

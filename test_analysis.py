@@ -696,6 +696,25 @@ def test_held_out_text_falls_back_to_the_run_validation_split(tok, tmp_path, mon
         A.held_out_documents(str(tmp_path), run)
 
 
+def test_a_cased_models_held_out_split_is_the_one_decoded(tok, tmp_path, monkeypatch):
+    # the split is decoded once and re-tokenized by every model: decoded by an uncased model's tokenizer it is
+    # lowercased, accents stripped, and a cased model listed after it was scored on that text
+    cased = data.train_tokenizer(make_text(200), vocab_size=300, cased=True)
+    uncased_run = save_model(tiny_bert(tok.get_vocab_size()), tok, tmp_path / "uncased")
+    cased_run = save_model(tiny_bert(cased.get_vocab_size()), cased, tmp_path / "cased")
+    asked = []
+    class Chosen(Exception):
+        pass
+    def held_out_documents(text, model_path):
+        asked.append(model_path)
+        raise Chosen  # the choice is all this test needs
+    monkeypatch.setattr(A, "held_out_documents", held_out_documents)
+    for models in ([uncased_run, cased_run], [cased_run, uncased_run], [uncased_run, uncased_run]):
+        with pytest.raises(Chosen):
+            A.run_analysis(SimpleNamespace(model=models, out=str(tmp_path / "out"), text=None))
+    assert asked == [cased_run, cased_run, uncased_run]
+
+
 def test_a_cache_that_cannot_be_written_is_an_error_not_the_sample_corpus(tok, tmp_path):
     # corpus._cache_error's OSError (eval.py: one line, exit 1): --analysis analysed the shipped sample in the
     # validation split's place, exit 0, its source saying only "no validation split"
