@@ -474,6 +474,18 @@ def test_the_uncased_tokenizer_says_what_it_strips_and_cased_keeps_it(tmp_path, 
     assert "note" not in capsys.readouterr().out
 
 
+def test_a_cased_runs_vocab_txt_named_alone_keeps_case(tmp_path):
+    # --tokenizer RUN/vocab.txt: the tokenizer_config.json beside it was read only for the directory, so a cased
+    # run's vocabulary got the uncased pipeline ("Éric" -> er ##ic, its capitalized tokens never reached)
+    text = [HINDI, RUSSIAN, GERMAN, "Éric Müller visited Paris."] * 50
+    cased = data.train_tokenizer(text, vocab_size=300, save_dir=tmp_path, cased=True)
+    for words in ("Éric Müller visited Paris.", RUSSIAN):
+        expected = cased.encode(words).ids
+        assert [data.load_tokenizer(tmp_path / f).encode(words).ids for f in ("vocab.txt", ".")] == [expected] * 2
+    (tmp_path / "tokenizer_config.json").unlink()  # none: uncased, as transformers' BertTokenizer
+    assert "".join(data.load_tokenizer(tmp_path / "vocab.txt").encode("Visited").tokens[1:-1]).replace("#", "") == "visited"
+
+
 def test_characters_past_limit_alphabet_become_unk_and_the_training_says_so(capsys):
     # 1,500 distinct CJK characters (a Chinese corpus holds thousands): the 500 rarest fall outside the alphabet
     rare = "".join(chr(0x4E00 + i) for i in range(1000, 1500))

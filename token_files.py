@@ -140,12 +140,12 @@ def write_atomic(path, text):
 def read_tokenizer(path):
     """(tokenizer, None) from tokenizer.json, a directory holding one, or a hub name; (bare WordPiece, options)
     from a vocab.txt or a directory holding one: data.load_tokenizer puts the BERT pipeline around it, with
-    the options (lowercase, strip_accents, chinese_chars) of the directory's tokenizer_config.json."""
+    the options (lowercase, strip_accents, chinese_chars) of the tokenizer_config.json in its directory."""
     if not Path(path).exists() and re.fullmatch(r"[\w.-]+(/[\w.-]+)?", str(path)):
         return _hub_tokenizer(str(path)), None
     path, options = Path(path), {}
-    if path.is_dir():
-        config = path / "tokenizer_config.json"
+    if path.is_dir() or (path.is_file() and path.suffix != ".json"):  # a vocab.txt: its folder's config too
+        config = (path if path.is_dir() else path.parent) / "tokenizer_config.json"
         if config.exists():  # HF BertTokenizer's options for a bare vocab.txt
             if not config.is_file():  # a FIFO's read would wait for a writer forever
                 raise ValueError(f"cannot read tokenizer config {config}: not a regular file")
@@ -155,6 +155,7 @@ def read_tokenizer(path):
                                chinese_chars=options.get("tokenize_chinese_chars", True))
             except (ValueError, AttributeError) as e:
                 raise ValueError(f"cannot read tokenizer config {config}: {first_line(e)}") from None
+    if path.is_dir():
         if not (path / "tokenizer.json").exists() and not (path / "vocab.txt").exists():
             raise ValueError(f"no tokenizer.json or vocab.txt in {path}: copy the tokenizer its weights were "
                              f"trained with there")
