@@ -43,7 +43,7 @@ def test_wikiextractor_markers_and_formats(tok_dir, tmp_path):
     import pyarrow as pa, pyarrow.parquet as pq
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "a.parquet")
     import datasets  # and a datasets save_to_disk folder (its .arrow files; a user's Dataset after .map, say)
-    datasets.Dataset.from_list(rows).save_to_disk(tmp_path / "saved", max_shard_size="1KB")
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"), max_shard_size="1KB")  # str: datasets 2.19
     assert len(corpus.resolve_files(str(tmp_path / "saved"))) > 1  # several shards, read in their order
     for name in ["a.txt.xz", "a.txt.gz", "a.jsonl", "a.parquet", "saved"]:
         assert np.array_equal(_stream(tok_dir, tmp_path / name, tmp_path)[1], stream), name
