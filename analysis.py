@@ -49,7 +49,7 @@ from glue_tasks import TASKS, load_hub, read_tsv
 from hf_io import still_training
 from model import Bert
 from rundir import locked, move_aside
-from token_files import cache_ok, corpus_key, tokens_file, vocab_matches
+from token_files import cache_ok, corpus_key, stream_dtype, tokens_file, vocab_matches
 
 ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
 WORDSIM353 = os.path.join(ASSETS, "wordsim353", "combined.csv")
@@ -398,8 +398,7 @@ def hub_split_cached(cfg, run_dir):
     if resolve_files(cfg["data"]) is not None:  # local files: the user's own, read as train.py read them
         return
     tok = data.load_tokenizer(run_dir)
-    dtype = np.uint16 if tok.get_vocab_size() < 2 ** 16 else np.uint32  # as token_files.CorpusCache.tokens
-    if not cache_ok(tokens_file(cfg["cache_dir"], corpus_key(cfg["data"], None), tok, dtype)):
+    if not cache_ok(tokens_file(cfg["cache_dir"], corpus_key(cfg["data"], None), tok, stream_dtype(tok))):
         raise LookupError(f"the hub dataset {cfg['data']} is not in its token cache {cfg['cache_dir']}, and an "
                           f"analysis downloads no corpus: pass --text FILE")
 

@@ -507,3 +507,13 @@ def test_tokenizer_options_name_their_own_cached_tokenizer(tmp_path):
     assert cased.decode(cased.encode(RUSSIAN).ids) == RUSSIAN
     names = sorted(p.name.split("-", 2)[2] for p in (tmp_path / "cache").glob("tokenizer-*"))
     assert names == ["300", "300-cased-limit_alphabet0"]  # the default's name is the one earlier caches have
+
+
+def test_the_alphabet_of_thousands_of_characters_is_counted_in_linear_time():
+    # --limit_alphabet 0 on Chinese text: the [UNK] note rebuilt the kept set per character, quadratic (20k distinct
+    # characters: 19 s, now 0.13 s on the 2-core machine)
+    import time
+    text = ["".join(chr(0x4E00 + i) for i in range(20000))]
+    t0 = time.process_time()
+    alphabet, _ = token_files.alphabet(iter(text), BertNormalizer(lowercase=True), limit=None)
+    assert len(alphabet) == 20000 and time.process_time() - t0 < 5
