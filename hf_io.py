@@ -395,7 +395,8 @@ def _load_tensors(path):
         unsafe = re.search(r"GLOBAL ([\w.]+)", str(e))  # torch's weights-only unpickler refused a global
         if unsafe:
             hint = (" (checkpoints of train.py before safe loading pickled numpy's RNG state: retrain, or load it "
-                    "once with torch.load(weights_only=False) if you trust it and re-save it without 'rng')"
+                    "once with torch.load(weights_only=False) if you trust it and re-save it without 'rng' for "
+                    "--init_from and eval.py; --resume cannot continue it: its loader state predates exact resume)"
                     if unsafe.group(1).startswith("numpy") else "")
             raise ValueError(f"{path}: refused: it holds a Python object ({unsafe.group(1)}) that only an unsafe "
                              f"load would run; weights and checkpoints hold tensors and plain values{hint}") from None

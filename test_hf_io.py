@@ -385,6 +385,15 @@ def test_pickled_files_are_refused_on_a_torch_without_safe_loading(tmp_path, mon
         hf_io.load_checkpoint_file(str(tmp_path / "ckpt.pt"))
 
 
+def test_a_first_day_checkpoint_with_numpy_rng_state_is_refused_with_the_way_out(tmp_path):
+    import numpy as np
+    import hf_io
+    torch.save({"model": {}, "model_config": {}, "rng": {"numpy": np.random.get_state()}}, str(tmp_path / "ckpt.pt"))
+    with pytest.raises(ValueError, match=r"refused: it holds a Python object \(numpy[\w.]*\).*re-save it without "
+                       r"'rng' for --init_from and eval.py; --resume cannot continue it"):
+        hf_io.load_checkpoint_file(str(tmp_path / "ckpt.pt"))
+
+
 def test_a_detector_run_checkpoint_says_its_mlm_head_is_untrained(tmp_path):
     from dataclasses import asdict
     model = Bert(BertConfig(**TINY))
