@@ -314,6 +314,14 @@ def _load_local(datasets, builder, split_files, hf_cache):
             problem += " (install the zstandard package: pip install zstandard)"
         raise ValueError(f"cannot read {culprit} as {builder}: {problem}") from None
 
+def _check_text(ds, where):
+    """A dataset read needs a "text" column of strings (a hub dataset's too: one of lists was a pyarrow traceback)."""
+    if "text" not in ds.column_names:
+        raise ValueError(f"no 'text' field in {where}: name the documents' column 'text' (Dataset.rename_column); its "
+                         f"fields: {', '.join(ds.column_names)}"[:400])
+    if getattr(ds.features["text"], "dtype", None) not in ("string", "large_string"):
+        raise ValueError(f"the 'text' field of {where} holds {ds.features['text']}, not strings")
+
 def load_corpus(data, files, cache_dir):
     """[(kind, Dataset with a "text" column, name)] in corpus order; kind "lines" or "docs" (row = document).
     files: resolve_files(data)."""
@@ -326,10 +334,13 @@ def load_corpus(data, files, cache_dir):
             with quiet_hub():
                 ds = datasets.load_dataset(name, config or None, split="train", cache_dir=hf_cache)
         except Exception as e:  # offline, or no such dataset: one line, with the way out
+            if isinstance(e, ValueError) and str(e).startswith("Unknown split"):  # it loads: no split to train on
+                raise ValueError(f"the hub dataset {data} has no train split ({first_line(e)})") from None
             raise ValueError(f"--data {data!r} is neither a local path nor a loadable hub dataset "
                              f"({first_line(e)}); without internet pass --data FILE|DIR|GLOB, "
                              f"e.g. the bundled sample --data {SAMPLE_CORPUS}") from None
         # WikiText rows are lines (articles start at headings); other hub corpora have a doc per row
+        _check_text(ds, f"the hub dataset {data}")
         return [("lines" if name.endswith("wikitext") else "docs", ds.select_columns(["text"]), data)]
     # one split per file, so file boundaries stay visible; one load_dataset call per builder and group of
     # FILES_PER_LOAD files: each split copies its call's info of all splits (1,000 files in one call: 30 s)
@@ -346,10 +357,7 @@ def load_corpus(data, files, cache_dir):
     parts = []
     for i, (f, builder) in enumerate(zip(files, builders)):
         ds = loaded[builder, i // FILES_PER_LOAD][f"file{i}"]
-        if "text" not in ds.column_names:
-            raise ValueError(f"no 'text' field in {f}")
-        if getattr(ds.features["text"], "dtype", None) not in ("string", "large_string"):
-            raise ValueError(f"the 'text' field of {f} holds {ds.features['text']}, not strings")
+        _check_text(ds, f)
         parts.append(("lines" if builder == "text" else "docs", ds.select_columns(["text"]), str(f)))
     return parts
 

@@ -313,6 +313,23 @@ def test_hub_corpora_read_as_lines_or_documents(tok_dir, tmp_path, monkeypatch):
         assert [d[0] for d in docs] == ["alpha", "gamma"] and ("beta" in docs[0]) == ("wikitext" in name), name
 
 
+def test_hub_datasets_without_a_train_split_or_a_text_column_are_one_clear_error(tok_dir, tmp_path, monkeypatch):
+    # a "text" column of lists (or ints) was a pyarrow traceback and exit 1; "content" was datasets' own line
+    import datasets
+    hub = {"u/content": {"content": ["the river"]}, "u/lists": {"text": [["the", "river"]]}}
+    def load_dataset(name, config=None, split=None, **kwargs):
+        if name == "u/testonly":
+            raise ValueError("Unknown split \"train\". Should be one of ['test'].")
+        return datasets.Dataset.from_dict(hub[name])
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)  # no network
+    for name, problem in [("u/content", "no 'text' field in the hub dataset u/content: name the documents' column "
+                                        "'text' (Dataset.rename_column); its fields: content"),
+                          ("u/lists", "the 'text' field of the hub dataset u/lists holds List"),
+                          ("u/testonly", "the hub dataset u/testonly has no train split")]:
+        with pytest.raises(ValueError, match=re.escape(problem)):
+            data.prepare_data(name, tmp_path / "cache", tokenizer=tok_dir)
+
+
 UNREADABLE = {  # file name -> (bytes, words the one-line error must contain)
     "latin1.txt": ("café au lait\n".encode("latin-1"), "not UTF-8"),
     "image.txt": (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(range(256)), "not UTF-8"),
