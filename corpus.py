@@ -8,14 +8,18 @@ What it reads: a `datasets` hub name ("wikitext:wikitext-103-raw-v1" = load_data
 save_to_disk folder holds .arrow files), optionally .xz/.gz/.bz2/.zst compressed (text we decompress into the
 cache first, datasets the rest; .zst needs the zstandard package); a directory's hidden files and folders
 (.name) are skipped and linked folders followed (each real one once, as each real file), and an .arrow file is
-read only beside save_to_disk's state.json. A file named (by its path or a glob) with another suffix is text, or
-JSON Lines when it is .json or starts with a JSON object (WikiExtractor --json); .csv and .tsv are refused. A
+read only beside save_to_disk's state.json. A folder laid out in splits (a DatasetDict's, a hub repository's: its
+README.md configs, data/train-00000-of-00001.parquet, train.jsonl beside test.jsonl, train/) gives its train split's
+files alone, as load_dataset(FOLDER, split="train") and the hub path (split="train") read it. A file named (by its
+path or a glob) with another suffix is text, or JSON Lines when it is .json or starts with a JSON object
+(WikiExtractor --json); .csv and .tsv are refused. A
 document starts at each file, each jsonl/parquet row, each WikiExtractor `<doc ...>` line (the <doc>/</doc> lines
 themselves are dropped) and each WikiText top-level heading ` = Title = ` (after a blank row, in a file that has
 them). Blank lines are dropped.
 
 What it guarantees:
-- a bad path (missing, an empty file, a glob or directory matching nothing) is one ValueError naming it,
+- a bad path (missing, an empty file, a glob or directory matching nothing, a folder in splits without a train
+  split) is one ValueError naming it,
   raised by resolve_files before anything is loaded or cached;
 - a file that is not UTF-8 text (a .jsonl or .parquet row too), holds NUL bytes, is a broken .jsonl or a fake
   .gz/.xz/.zst is one ValueError naming that file (and row), also when it is one of many in a directory;
@@ -32,6 +36,7 @@ import errno
 import glob
 import gzip
 import hashlib
+import json
 import logging
 import lzma
 import os
@@ -171,10 +176,109 @@ def _saved_arrow_or_other(path):
     cache (a --cache_dir inside the data folder: hf/text/.../text-file0.arrow, our earlier reading of it)."""
     return _suffix(path) != ".arrow" or (path.parent / "state.json").is_file()
 
+# a folder laid out in splits is read as load_dataset(FOLDER, split="train") reads it: its README.md's `configs:`
+# block, else (datasets.data_files.get_data_patterns) push_to_hub's data/SPLIT-00000-of-00001.* names, else a split's
+# name in a folder's name (train/, data/test-2/), else in a file's (train.jsonl, wiki_val_0.txt); a file in no split
+# is read by none. SPLIT_KEYWORDS and the separators are datasets' own (SPLIT_KEYWORDS, NON_WORDS_CHARS).
+SPLIT_KEYWORDS = {"train": ("train", "training"), "validation": ("validation", "valid", "dev", "val"),
+                  "test": ("test", "testing", "eval", "evaluation")}
+SHARDED = re.compile(r"data/([^/]+)-[0-9]{5}-of-[0-9]{5}[^/]*\.[^/]*")
+_SEP = "[-._ 0-9]"
+_IN_FOLDER = {s: re.compile(rf"(.*{_SEP})?({'|'.join(w)})({_SEP}.*)?") for s, w in SPLIT_KEYWORDS.items()}
+_IN_FILE = {s: re.compile(rf"(.*{_SEP})?({'|'.join(w)}){_SEP}.*") for s, w in SPLIT_KEYWORDS.items()}
+
+def _card_config(folder):
+    """The config of a folder's README.md `configs:` block (a hub dataset card) that load_dataset(FOLDER) reads: the
+    one marked default: true, else the one named "default", else the only one; several others are one ValueError."""
+    try:
+        text = (folder / "README.md").read_text(encoding="utf-8")
+    except (OSError, ValueError):  # none, or not text
+        return None
+    card = re.match(r"---[ \t]*\r?\n(.*?)\r?\n---[ \t]*(\r?\n|$)", text, re.S)
+    if card is None or not re.search(r"^configs:", card.group(1), re.M):
+        return None
+    import yaml  # datasets' own dependency: it reads the card with it
+    try:
+        configs = yaml.safe_load(card.group(1)).get("configs")
+    except (yaml.YAMLError, AttributeError) as e:
+        raise ValueError(f"cannot read the configs of {folder / 'README.md'}: {first_line(e)}") from None
+    if not isinstance(configs, list) or not configs or not all(isinstance(c, dict) for c in configs):
+        raise ValueError(f"cannot read the configs of {folder / 'README.md'}: not a list of configs")
+    chosen = [c for c in configs if c.get("default")] or [c for c in configs if c.get("config_name") == "default"]
+    if len(chosen or configs) > 1:
+        names = ", ".join(f"{c.get('config_name')} ({c.get('data_dir') or c.get('data_files')})" for c in configs)
+        raise ValueError(f"{folder / 'README.md'} defines several configs and no default: name the files of one "
+                         f"with a glob (its train split's); the configs: {names}"[:600])
+    return (chosen or configs)[0]
+
+def folder_splits(folder, files):
+    """{split: files} of a folder's corpus files (files: all of them, sorted), as datasets splits a folder (a
+    dataset repository, a save_to_disk DatasetDict's); {"train": files} when it has no splits."""
+    config = _card_config(folder)
+    if config is not None:
+        folder = folder / str(config.get("data_dir") or "")
+        files = [f for f in files if os.path.realpath(f).startswith(os.path.join(os.path.realpath(folder), ""))]
+        patterns = config.get("data_files")
+        if patterns is not None:  # "*.txt" or [..] (all train), [{split: train, path: ..}, ..], {train: .., ..}
+            if isinstance(patterns, list) and all(isinstance(p, dict) for p in patterns):
+                patterns = {p.get("split"): p.get("path") for p in patterns}
+            splits = {}
+            for split, paths in (patterns if isinstance(patterns, dict) else {"train": patterns}).items():
+                found = {os.path.realpath(p) for path in ([paths] if isinstance(paths, str) else paths or [])
+                         for p in glob.glob(os.path.join(glob.escape(str(folder)), str(path)), recursive=True)}
+                splits[str(split)] = [f for f in files if os.path.realpath(f) in found]
+            return splits
+    rel = {f: f.relative_to(folder).as_posix() for f in files}
+    splits = {}
+    if (folder / "dataset_dict.json").is_file():  # save_to_disk of a DatasetDict: a folder a split
+        try:  # its splits, an empty one too (a folder without .arrow files)
+            splits = {str(s): [] for s in json.loads((folder / "dataset_dict.json").read_text("utf-8"))["splits"]}
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        for f, r in rel.items():
+            splits.setdefault(r.split("/")[0], []).append(f)
+        return splits
+    for f, r in rel.items():
+        if m := SHARDED.fullmatch(r):
+            splits.setdefault(m.group(1), []).append(f)
+    for rules, names in ((_IN_FOLDER, lambda r: r.split("/")[:-1]), (_IN_FILE, lambda r: r.split("/")[-1:])):
+        if splits:
+            return splits
+        for split, rule in rules.items():
+            if chosen := [f for f, r in rel.items() if any(rule.fullmatch(n) for n in names(r))]:
+                splits[split] = chosen
+    return splits or {"train": list(files)}
+
+def _train_split(data, folder, files):
+    """The train split's files of a folder (all of them when it has no splits), as the hub path reads split="train":
+    a folder's validation and test files were read along and trained on (the held-out tail was the last split)."""
+    splits = folder_splits(folder, files)
+    if "train" not in splits:
+        raise ValueError(f"{data} holds the splits {', '.join(splits)} and no train split (as datasets reads the "
+                         f"folder): name the files to read, e.g. --data '{data.rstrip('/')}/*{next(iter(splits))}*'")
+    if not splits["train"]:
+        raise ValueError(f"the train split of {data} (as datasets reads the folder) has no .txt/.raw/.jsonl/.parquet/"
+                         f".arrow files (optionally .xz/.gz/.bz2/.zst)")
+    return splits["train"]
+
 def _once(files):
     """files with each real file once: a link to a file that is read anyway (latest.txt -> v2.txt) is not read twice."""
     seen = set()
     return [f for f in files if (real := os.path.realpath(f)) not in seen and not seen.add(real)]
+
+def _corpus_files_below(folder):
+    return _once(sorted(p for p in _files_below(folder) if _builder(p) and _saved_arrow_or_other(p)))
+
+def split_note(data):
+    """What a folder's other splits hold, which --data leaves out (said when the corpus is read), or None."""
+    folder = Path(data).expanduser()
+    if not folder.is_dir():
+        return None
+    splits = folder_splits(folder, _corpus_files_below(folder))
+    count = lambda files: f"{len(files)} file{'s' * (len(files) != 1)}"
+    others = [f"{name} ({count(files)})" for name, files in splits.items() if name != "train"]
+    return others and (f"reading the train split of {data} ({count(splits['train'])}), as load_dataset(split='train') "
+                       f"does; left out: {', '.join(others)}")
 
 def resolve_files(data):
     """Local files for `data` in sorted order, or None when `data` is a hub dataset name."""
@@ -184,10 +288,11 @@ def resolve_files(data):
         if not files:
             raise ValueError(f"no files match {data}")
     elif path.is_dir():
-        files = _once(sorted(p for p in _files_below(path) if _builder(p) and _saved_arrow_or_other(p)))
+        files = _corpus_files_below(path)
         if not files:
             raise ValueError(f"no .txt/.raw/.jsonl/.parquet/.arrow files (optionally .xz/.gz/.bz2/.zst) in {data}; "
                              f"a glob names files of any name (WikiExtractor's: --data '{data.rstrip('/')}/*/wiki_*')")
+        files = _train_split(data, path, files)
     elif path.is_file():
         files = [path]
     elif data.startswith(("/", ".", "~")) or _builder(path):
@@ -344,6 +449,8 @@ def load_corpus(data, files, cache_dir):
         return [("lines" if name.endswith("wikitext") else "docs", ds.select_columns(["text"]), data)]
     # one split per file, so file boundaries stay visible; one load_dataset call per builder and group of
     # FILES_PER_LOAD files: each split copies its call's info of all splits (1,000 files in one call: 30 s)
+    if note := split_note(data):
+        print(note)
     builders = [_builder(f) or ("json" if json_lines(f) else "text") for f in files]  # a named odd suffix: by content
     splits = {}
     for i, (f, builder) in enumerate(zip(files, builders)):

@@ -330,6 +330,87 @@ def test_hub_datasets_without_a_train_split_or_a_text_column_are_one_clear_error
             data.prepare_data(name, tmp_path / "cache", tokenizer=tok_dir)
 
 
+def _split_docs(split, n=4):
+    return [{"text": f"{split} {_paragraph(i)}", "id": i} for i in range(n)]
+
+
+def test_a_folder_in_splits_is_read_as_its_train_split(tok_dir, tmp_path, capsys):
+    # a DatasetDict saved with save_to_disk, or a hub repository's files (downloaded, or a user's), was read whole:
+    # its test split trained on, its held-out tail the validation split or the test's. Now its train split, as
+    # load_dataset(FOLDER, split="train") and the hub path read it
+    import datasets
+    import pyarrow as pa, pyarrow.parquet as pq
+    splits = {s: _split_docs(s) for s in ("train", "validation", "test")}
+    datasets.DatasetDict({s: datasets.Dataset.from_list(rows) for s, rows in splits.items()}).save_to_disk(
+        str(tmp_path / "saved"))
+    (tmp_path / "repo" / "data").mkdir(parents=True)  # push_to_hub's layout
+    (tmp_path / "repo" / "README.md").write_text("---\nlicense: cc-by-sa-4.0\n---\n# A corpus\n")
+    (tmp_path / "jsonl").mkdir()
+    (tmp_path / "card" / "files").mkdir(parents=True)  # split files named only by the card's configs: block
+    (tmp_path / "card" / "README.md").write_text("---\nconfigs:\n- config_name: default\n  data_files:\n"
+                                                 "  - split: train\n    path: files/a-*.parquet\n"
+                                                 "  - split: test\n    path: files/b.parquet\n---\n")
+    for s, rows in splits.items():
+        pq.write_table(pa.Table.from_pylist(rows), tmp_path / "repo" / "data" / f"{s}-00000-of-00001.parquet")
+        (tmp_path / "jsonl" / f"{s}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pq.write_table(pa.Table.from_pylist(splits["train"]), tmp_path / "card" / "files" / "a-0.parquet")
+    pq.write_table(pa.Table.from_pylist(splits["test"]), tmp_path / "card" / "files" / "b.parquet")
+    pq.write_table(pa.Table.from_pylist(splits["train"]), tmp_path / "train.parquet")
+    expected = _stream(tok_dir, tmp_path / "train.parquet", tmp_path)[1]
+    for name in ("saved", "repo", "jsonl", "card"):
+        assert len(corpus.resolve_files(str(tmp_path / name))) == 1, name
+        tok, stream = _stream(tok_dir, tmp_path / name, tmp_path)
+        assert np.array_equal(stream, expected), name  # no test or validation text
+        if name != "card":
+            note = capsys.readouterr().out.split("left out: ")[1].split("\n")[0]
+            assert sorted(note.split(", ")) == ["test (1 file)", "validation (1 file)"], name
+    assert len(corpus.resolve_files(str(tmp_path / "saved" / "test"))) == 1  # a split's own folder is all read
+
+
+def test_a_folder_in_splits_without_a_train_split_is_refused(tmp_path):
+    (tmp_path / "evalonly").mkdir()
+    for s in ("test", "validation"):
+        (tmp_path / "evalonly" / f"{s}.jsonl").write_text('{"text": "the river"}\n')
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "README.md").write_text("---\nconfigs:\n- config_name: en\n  data_dir: en\n"
+                                                    "- config_name: fr\n  data_dir: fr\n---\n")
+    for lang in ("en", "fr"):  # wikimedia/wikipedia's layout: each language's train split was read
+        (tmp_path / "configs" / lang).mkdir()
+        (tmp_path / "configs" / lang / "train-00000-of-00001.jsonl").write_text('{"text": "the river"}\n')
+    import datasets
+    empty = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": []}),  # no .arrow file is saved
+                                  "test": datasets.Dataset.from_dict({"text": ["the river"]})})
+    empty.save_to_disk(str(tmp_path / "empty"))
+    for folder, problem in [("evalonly", "holds the splits validation, test and no train split"),
+                            ("empty", f"the train split of {tmp_path / 'empty'} (as datasets reads the folder) has no"),
+                            ("configs", "defines several configs and no default: name the files of one with a glob")]:
+        with pytest.raises(ValueError, match=re.escape(problem)):
+            corpus.resolve_files(str(tmp_path / folder))
+    assert len(corpus.resolve_files(str(tmp_path / "evalonly" / "*.jsonl"))) == 2  # named by a glob, each is read
+    (tmp_path / "configs" / "README.md").write_text("---\nconfigs:\n- config_name: en\n  data_dir: en\n"
+                                                    "- config_name: fr\n  data_dir: fr\n  default: true\n---\n")
+    assert corpus.resolve_files(str(tmp_path / "configs")) == [tmp_path / "configs/fr/train-00000-of-00001.jsonl"]
+
+
+@pytest.mark.parametrize("layout", [
+    ["train.jsonl", "test.jsonl", "validation.jsonl"], ["a.txt", "b.txt"], ["contest.txt", "trainee.txt", "a.txt"],
+    ["data/train-00000-of-00002.parquet", "data/train-00001-of-00002.parquet", "data/random-00000-of-00001.parquet"],
+    ["data/train/a.parquet", "data/test/b.parquet"], ["train/a.txt", "dev/b.txt", "other/c.txt"],
+    ["wiki_train_0.txt", "wiki_val_0.txt", "wiki_test_1.txt", "notes.txt"], ["training-set/x.txt", "my-eval/y.txt"],
+    ["en/train-00000-of-00001.jsonl", "en/test-00000-of-00001.jsonl"], ["Train.txt", "Test.txt"],
+    ["dev/train.txt", "dev/x.txt"], ["a/b/c_test/d.txt", "a/b/train/d.txt"], ["test.txt", "valid.txt"]])
+def test_a_folder_is_split_by_datasets_own_rules(tmp_path, layout):
+    # corpus.py copies datasets' split names (to skip its 2 s import when the cache hits): they must agree
+    from datasets.data_files import DataFilesDict, get_data_patterns
+    for name in layout:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("the river\n")
+    ours = corpus.folder_splits(tmp_path, sorted(tmp_path / name for name in layout))
+    theirs = DataFilesDict.from_patterns(get_data_patterns(str(tmp_path)), base_path=str(tmp_path))
+    assert {s: sorted(os.path.realpath(f) for f in files) for s, files in ours.items()} == {
+        str(s): sorted(os.path.realpath(f) for f in files) for s, files in theirs.items()}
+
+
 UNREADABLE = {  # file name -> (bytes, words the one-line error must contain)
     "latin1.txt": ("café au lait\n".encode("latin-1"), "not UTF-8"),
     "image.txt": (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(range(256)), "not UTF-8"),
