@@ -274,9 +274,11 @@ def split_note(data):
     folder = Path(data).expanduser()
     if not folder.is_dir():
         return None
-    splits = folder_splits(folder, _corpus_files_below(folder))
+    splits = folder_splits(folder, files := _corpus_files_below(folder))
     count = lambda files: f"{len(files)} file{'s' * (len(files) != 1)}"
     others = [f"{name} ({count(files)})" for name, files in splits.items() if name != "train"]
+    in_none = [f for f in files if not any(f in split for split in splits.values())]  # datasets reads them in none
+    others += [f"{count(in_none)} in no split, e.g. {in_none[0].relative_to(folder)}"] if in_none else []
     return others and (f"reading the train split of {data} ({count(splits['train'])}), as load_dataset(split='train') "
                        f"does; left out: {', '.join(others)}")
 

@@ -365,6 +365,9 @@ def test_a_folder_in_splits_is_read_as_its_train_split(tok_dir, tmp_path, capsys
             note = capsys.readouterr().out.split("left out: ")[1].split("\n")[0]
             assert sorted(note.split(", ")) == ["test (1 file)", "validation (1 file)"], name
     assert len(corpus.resolve_files(str(tmp_path / "saved" / "test"))) == 1  # a split's own folder is all read
+    (tmp_path / "jsonl" / "notes.jsonl").write_text('{"text": "the river"}\n')  # in no split: said, not read
+    assert "left out: validation (1 file), test (1 file), 1 file in no split, e.g. notes.jsonl" in corpus.split_note(
+        str(tmp_path / "jsonl")) and len(corpus.resolve_files(str(tmp_path / "jsonl"))) == 1
 
 
 def test_a_folder_in_splits_without_a_train_split_is_refused(tmp_path):
