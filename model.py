@@ -15,8 +15,8 @@ Notable choices:
   gets tensor-core friendly shapes. Padded rows are sliced off the logits, so they are
   never predicted, never a target and never sampled.
 SDPA, the fused QKV and the padding, each turned off in turn (bench.py --ablate, CPU, fp32, one thread, b8 s128):
-none moves the MLM step by more than 3% there (step time without SDPA 0.97-0.99x, with three QKV Linears 1.00x,
-unpadded 1.01-1.03x); they are meant for the GPU, where they are not measured yet (docs/efficiency.md).
+step time without SDPA 0.97-0.99x, with three QKV Linears 1.00x, unpadded 0.92-1.03x (on a CPU the slice off the
+padded logits costs passes); they are meant for the GPU, where they are not measured yet (docs/efficiency.md).
 """
 import math
 from dataclasses import dataclass
