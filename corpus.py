@@ -191,10 +191,10 @@ def _card_config(folder):
     """The config of a folder's README.md `configs:` block (a hub dataset card) that load_dataset(FOLDER) reads: the
     one marked default: true, else the one named "default", else the only one; several others are one ValueError."""
     try:
-        text = (folder / "README.md").read_text(encoding="utf-8")
+        text = (folder / "README.md").read_text(encoding="utf-8-sig")  # a BOM dropped, as huggingface_hub reads it
     except (OSError, ValueError):  # none, or not text
         return None
-    card = re.match(r"---[ \t]*\r?\n(.*?)\r?\n---[ \t]*(\r?\n|$)", text, re.S)
+    card = re.match(r"\s*---\n(.*?)\n---[ \t]*(\n|$)", text, re.S)  # huggingface_hub's REGEX_YAML_BLOCK
     if card is None or not re.search(r"^configs:", card.group(1), re.M):
         return None
     import yaml  # datasets' own dependency: it reads the card with it
@@ -202,7 +202,9 @@ def _card_config(folder):
         configs = yaml.safe_load(card.group(1)).get("configs")
     except (yaml.YAMLError, AttributeError) as e:
         raise ValueError(f"cannot read the configs of {folder / 'README.md'}: {first_line(e)}") from None
-    if not isinstance(configs, list) or not configs or not all(isinstance(c, dict) for c in configs):
+    if not configs:  # `configs:` or `configs: []`: none, as datasets reads it
+        return None
+    if not isinstance(configs, list) or not all(isinstance(c, dict) for c in configs):
         raise ValueError(f"cannot read the configs of {folder / 'README.md'}: not a list of configs")
     chosen = [c for c in configs if c.get("default")] or [c for c in configs if c.get("config_name") == "default"]
     if len(chosen or configs) > 1:

@@ -414,6 +414,26 @@ def test_a_folder_is_split_by_datasets_own_rules(tmp_path, layout):
         str(s): sorted(os.path.realpath(f) for f in files) for s, files in theirs.items()}
 
 
+_CARD = "configs:\n- config_name: default\n  data_files:\n  - split: train\n    path: a/*.txt\n  - split: test\n    path: b/*.txt\n"
+
+
+@pytest.mark.parametrize("readme", ["---\n" + _CARD + "---\n", "\n---\n" + _CARD + "---\n", "\ufeff---\n" + _CARD + "---\n",
+                                    "--- \n" + _CARD + "---\n", ("---\n" + _CARD + "---").replace("\n", "\r\n"),
+                                    "---\nconfigs: []\n---\n", "---\nconfigs:\n---\n"])
+def test_a_card_is_read_as_datasets_reads_it(tmp_path, readme):
+    # a README.md whose `---` block follows a blank line or a BOM (an editor's) is a card to huggingface_hub: its configs
+    # were missed (train/ read, a/ and b/ not); one after "--- " is none; `configs: []` is none, was a ValueError
+    import datasets
+    for name in ("a/x.txt", "b/y.txt", "train/z.txt"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("the river\n")
+    (tmp_path / "README.md").write_bytes(readme.encode())
+    ours = corpus.folder_splits(tmp_path, corpus._corpus_files_below(tmp_path))
+    theirs = datasets.load_dataset_builder(str(tmp_path), cache_dir=str(tmp_path / ".cache")).config.data_files
+    assert {s: sorted(os.path.realpath(f) for f in files) for s, files in ours.items()} == {
+        str(s): sorted(os.path.realpath(f) for f in files) for s, files in theirs.items()}
+
+
 UNREADABLE = {  # file name -> (bytes, words the one-line error must contain)
     "latin1.txt": ("café au lait\n".encode("latin-1"), "not UTF-8"),
     "image.txt": (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(range(256)), "not UTF-8"),
