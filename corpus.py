@@ -255,13 +255,22 @@ def _train_split(data, folder, files):
     """The train split's files of a folder (all of them when it has no splits), as the hub path reads split="train":
     a folder's validation and test files were read along and trained on (the held-out tail was the last split)."""
     splits = folder_splits(folder, files)
-    if "train" not in splits:
-        raise ValueError(f"{data} holds the splits {', '.join(splits)} and no train split (as datasets reads the "
-                         f"folder): name the files to read, e.g. --data '{data.rstrip('/')}/*{next(iter(splits))}*'")
+    if "train" not in splits:  # a plain folder too, whose test_notes.txt or dev/ names a split
+        named = ", ".join(f"{s} ({fs[0].relative_to(folder)}{', ...' * (len(fs) > 1)})" if fs else s
+                          for s, fs in splits.items())
+        raise ValueError(f"{data} holds the splits {named} and no train split, as datasets reads the folder (a "
+                         f"split's name in a file's or folder's name, a README.md configs: block); to read its files "
+                         f"as they are, name them with a glob: --data '{_glob_of(data, files)}'")
     if not splits["train"]:
         raise ValueError(f"the train split of {data} (as datasets reads the folder) has no .txt/.raw/.jsonl/.parquet/"
                          f".arrow files (optionally .xz/.gz/.bz2/.zst)")
     return splits["train"]
+
+def _glob_of(data, files):
+    """A glob naming a folder's files as they are, in no split (the way out of its splits): DIR/**/*.txt, the suffix
+    most of them have (with its case and compression: *.TXT, *.jsonl.gz)."""
+    ends = [f.name[f.name.lower().rfind(_suffix(f)):] for f in files]
+    return f"{data.rstrip('/')}/**/*{max(ends, key=ends.count)}"
 
 def _once(files):
     """files with each real file once: a link to a file that is read anyway (latest.txt -> v2.txt) is not read twice."""
@@ -282,7 +291,8 @@ def split_note(data):
     in_none = [f for f in files if not any(f in split for split in splits.values())]  # datasets reads them in none
     others += [f"{count(in_none)} in no split, e.g. {in_none[0].relative_to(folder)}"] if in_none else []
     return others and (f"reading the train split of {data} ({count(splits['train'])}), as load_dataset(split='train') "
-                       f"does; left out: {', '.join(others)}")
+                       f"does; left out: {', '.join(others)}" + (f"; a glob reads every file: --data "
+                                                                f"'{_glob_of(data, files)}'" if in_none else ""))
 
 def resolve_files(data):
     """Local files for `data` in sorted order, or None when `data` is a hub dataset name."""

@@ -384,7 +384,7 @@ def test_a_folder_in_splits_without_a_train_split_is_refused(tmp_path):
     empty = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": []}),  # no .arrow file is saved
                                   "test": datasets.Dataset.from_dict({"text": ["the river"]})})
     empty.save_to_disk(str(tmp_path / "empty"))
-    for folder, problem in [("evalonly", "holds the splits validation, test and no train split"),
+    for folder, problem in [("evalonly", "holds the splits validation (validation.jsonl), test (test.jsonl) and no train"),
                             ("empty", f"the train split of {tmp_path / 'empty'} (as datasets reads the folder) has no"),
                             ("configs", "defines several configs and no default: name the files of one with a glob")]:
         with pytest.raises(ValueError, match=re.escape(problem)):
@@ -394,6 +394,26 @@ def test_a_folder_in_splits_without_a_train_split_is_refused(tmp_path):
                                                     "- config_name: fr\n  data_dir: fr\n  default: true\n---\n")
     assert corpus.resolve_files(str(tmp_path / "configs")) == [tmp_path / "configs/fr/train-00000-of-00001.jsonl"]
 
+
+
+@pytest.mark.parametrize("names", [["a.txt", "test_notes.txt", "b.txt"], ["a.TXT", "dev_log.TXT", "dev_log2.TXT"],
+                                   ["books/a.txt.gz", "validation_experiments/run1/b.txt.gz"],
+                                   ["a.txt", "b.txt", "train_notes.txt"]])
+def test_a_plain_folder_that_names_a_split_says_how_to_read_it_whole(tmp_path, names):
+    # a folder of text whose test_notes.txt, dev_log.TXT or validation_experiments/ names a split, as datasets reads
+    # it: its way out named the split ('*validation*': no files match dev_log.TXT; '*test*': test_notes.txt alone)
+    for name in names:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("the river\n")
+    if "train_notes.txt" in names:
+        assert len(corpus.resolve_files(str(tmp_path))) == 1  # train_notes.txt, as load_dataset(split="train") reads
+        message = corpus.split_note(str(tmp_path))
+    else:
+        with pytest.raises(ValueError, match=re.escape(f"({names[1].split('/')[0]}")) as e:  # the file naming it
+            corpus.resolve_files(str(tmp_path))
+        message = str(e.value)
+    assert "\n" not in message
+    assert len(corpus.resolve_files(message.split("--data '")[1].split("'")[0])) == len(names)
 
 @pytest.mark.parametrize("layout", [
     ["train.jsonl", "test.jsonl", "validation.jsonl"], ["a.txt", "b.txt"], ["contest.txt", "trainee.txt", "a.txt"],
