@@ -10,7 +10,8 @@ cache first, datasets the rest; .zst needs the zstandard package); a directory's
 (.name) are skipped and linked folders followed (each real one once, as each real file), and an .arrow file is
 read only beside save_to_disk's state.json. A folder laid out in splits (a DatasetDict's, a hub repository's: its
 README.md configs, data/train-00000-of-00001.parquet, train.jsonl beside test.jsonl, train/) gives its train split's
-files alone, as load_dataset(FOLDER, split="train") and the hub path (split="train") read it. A file named (by its
+files alone, as load_dataset(FOLDER, split="train") and the hub path (split="train") read it (split by file names
+with some files in none, it is refused: which to read is ambiguous). A file named (by its
 path or a glob) with another suffix is text, or JSON Lines when it is .json or starts with a JSON object
 (WikiExtractor --json); .csv and .tsv are refused. A
 document starts at each file, each jsonl/parquet row, each WikiExtractor `<doc ...>` line (the <doc>/</doc> lines
@@ -264,6 +265,14 @@ def _train_split(data, folder, files):
     if not splits["train"]:
         raise ValueError(f"the train split of {data} (as datasets reads the folder) has no .txt/.raw/.jsonl/.parquet/"
                          f".arrow files (optionally .xz/.gz/.bz2/.zst)")
+    in_none = [f for f in files if not any(f in split for split in splits.values())]
+    if in_none and _card_config(folder) is None and not (folder / "dataset_dict.json").is_file():
+        # split by file names only, with files in none (a.txt, b.txt beside train_notes.txt): datasets would read
+        # train_notes.txt alone, a user may mean them all: which is not ours to guess
+        train = splits["train"]
+        raise ValueError(f"{data}: which files to read is ambiguous: {len(train)} name the train split (e.g. "
+                         f"{train[0].relative_to(folder)}), {len(in_none)} no split (e.g. {in_none[0].relative_to(folder)})"
+                         f"; name them with a glob: --data '{_glob_of(data, files)}' reads every file")
     return splits["train"]
 
 def _glob_of(data, files):

@@ -365,9 +365,13 @@ def test_a_folder_in_splits_is_read_as_its_train_split(tok_dir, tmp_path, capsys
             note = capsys.readouterr().out.split("left out: ")[1].split("\n")[0]
             assert sorted(note.split(", ")) == ["test (1 file)", "validation (1 file)"], name
     assert len(corpus.resolve_files(str(tmp_path / "saved" / "test"))) == 1  # a split's own folder is all read
-    (tmp_path / "jsonl" / "notes.jsonl").write_text('{"text": "the river"}\n')  # in no split: said, not read
-    assert "left out: validation (1 file), test (1 file), 1 file in no split, e.g. notes.jsonl" in corpus.split_note(
-        str(tmp_path / "jsonl")) and len(corpus.resolve_files(str(tmp_path / "jsonl"))) == 1
+    (tmp_path / "card" / "files" / "c.parquet").write_bytes((tmp_path / "train.parquet").read_bytes())
+    assert "left out: test (1 file), 1 file in no split, e.g. files/c.parquet" in corpus.split_note(
+        str(tmp_path / "card")) and len(corpus.resolve_files(str(tmp_path / "card"))) == 1  # the card's, said
+    (tmp_path / "jsonl" / "notes.jsonl").write_text('{"text": "the river"}\n')  # split by names, and one in none
+    with pytest.raises(ValueError, match=re.escape("jsonl: which files to read is ambiguous: 1 name the train split "
+                                                   "(e.g. train.jsonl), 1 no split (e.g. notes.jsonl); name them")):
+        corpus.resolve_files(str(tmp_path / "jsonl"))
 
 
 def test_a_folder_in_splits_without_a_train_split_is_refused(tmp_path):
@@ -405,13 +409,11 @@ def test_a_plain_folder_that_names_a_split_says_how_to_read_it_whole(tmp_path, n
     for name in names:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("the river\n")
-    if "train_notes.txt" in names:
-        assert len(corpus.resolve_files(str(tmp_path))) == 1  # train_notes.txt, as load_dataset(split="train") reads
-        message = corpus.split_note(str(tmp_path))
-    else:
-        with pytest.raises(ValueError, match=re.escape(f"({names[1].split('/')[0]}")) as e:  # the file naming it
-            corpus.resolve_files(str(tmp_path))
-        message = str(e.value)
+    # train_notes.txt beside a.txt and b.txt: datasets reads train_notes.txt alone, a user may mean all: refused
+    naming = "e.g. train_notes.txt), 2 no split (e.g. a.txt)" if "train_notes.txt" in names else names[1].split('/')[0]
+    with pytest.raises(ValueError, match=re.escape(naming)) as e:  # the file naming a split
+        corpus.resolve_files(str(tmp_path))
+    message = str(e.value)
     assert "\n" not in message
     assert len(corpus.resolve_files(message.split("--data '")[1].split("'")[0])) == len(names)
 
