@@ -42,6 +42,8 @@ import logging
 import lzma
 import os
 import re
+import string
+import unicodedata
 from bisect import bisect_right
 from contextlib import contextmanager
 from itertools import accumulate
@@ -64,8 +66,24 @@ WIKITEXT_HEADING = re.compile(r"^ = [^=].* =\s*$")  # top-level only: " == Secti
 FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a full disk, a quota, a file-size limit (ulimit -f)
 FILES_PER_LOAD = 25  # files per datasets.load_dataset call (see load_corpus)
 BATCH_ROWS = 2000  # rows per encode_batch call: large enough to keep every core busy
-PIECE_CHARS = 1 << 18  # a longer line or row is cut before a space into pieces about this long (see _cut)
+PIECE_CHARS = 1 << 18  # a longer line or row is cut where words end into pieces about this long (see _cut)
 BATCH_CHARS = 1 << 22  # and a batch of pieces ends at this many characters: one enormous line is many batches
+# Where _cut may cut a text, as regex classes. CUT_SPACE, for any tokenizer: before a space. CUT_BERT, for BERT's
+# normalizer and pre-tokenizer (token_files.cut_at): also before a punctuation character, a word of its own to
+# BertPreTokenizer: ASCII's, and what both Unicode 3.2 and Python's Unicode call punctuation (the Rust tables of
+# `tokenizers` are older than Python's: U+2E43 and 103 more are punctuation to Python only; 3.2's soft hyphen is a
+# format character now, which BertNormalizer removes). CUT_BERT_CJK: also before a CJK ideograph, which BertNormalizer
+# (handle_chinese_chars) puts spaces around: BERT's _is_chinese_char ranges less U+2B820-U+2B91F, which `tokenizers`
+# leaves out (it reads 0x2B920). Spaceless Chinese or Japanese is then cut too. Normalized (cased or not), each of
+# these starts with a space or punctuation, never with a combining mark that NFD would move across the cut: the text
+# before it ends a word there, so the pieces hold the same words (test_a_cut_before_punctuation_or_a_cjk_ideograph_...
+# checks each character).
+CUT_SPACE = " "
+_PUNCTUATION = [c for c in map(chr, range(128, 0x10000))  # Unicode 3.2 has none above U+FFFF
+                if unicodedata.ucd_3_2_0.category(c)[0] == "P" == unicodedata.category(c)[0]]
+CUT_BERT = " " + re.escape(string.punctuation + "".join(_PUNCTUATION))
+CUT_BERT_CJK = CUT_BERT + ("\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002a6df\U0002a700-\U0002b81f"
+                           "\U0002b920-\U0002ceaf\U0002f800-\U0002fa1f")
 
 
 class _ZstdReader:
@@ -515,18 +533,21 @@ def _doc_pieces(rows, state):
             yield None
             yield text
 
-def _cut(text):
-    """text in pieces of at most PIECE_CHARS characters (or up to the space that ends a longer stretch without
-    one), each cut before a space (a text without one is left whole): the same words, so the same WordPiece tokens
-    and vocabulary, but one enormous line (text8 has no newline) no longer holds its whole encoding in memory at
-    once (a 30 MB line peaked at 3.4 GB) on one core."""
+def _cut(text, at=CUT_SPACE):
+    """text in pieces of at most PIECE_CHARS characters (or up to the cut point that ends a longer stretch without
+    one), each cut before a character of the class `at` (a text without one is left whole): the same words, so the
+    same WordPiece tokens and vocabulary, but one enormous line (text8 has no newline, a Chinese row no space) no
+    longer holds its whole encoding in memory at once (a 30 MB line peaked at 3.4 GB) on one core."""
     start = 0  # the rest is text[start:], never copied: a copy per piece was quadratic (300 MB: 120 s)
     while len(text) - start > PIECE_CHARS:
-        cut = text.rfind(" ", start + PIECE_CHARS // 2, start + PIECE_CHARS)
-        if cut < 0:  # a long stretch without a space (a URL, a table): cut at the next space after it
-            cut = text.find(" ", start + PIECE_CHARS)
-            if cut < 0:
+        last = re.compile(f"(?s:.*)[{at}]").match(text, start + PIECE_CHARS // 2, start + PIECE_CHARS)  # .* backs off
+        if last:
+            cut = last.end() - 1
+        else:  # a long stretch without one (a URL, a table): cut at the next one after it
+            after = re.compile(f"[{at}]").search(text, start + PIECE_CHARS)
+            if after is None:
                 break
+            cut = after.start()
         yield text[start:cut]
         start = cut
     yield text[start:]  # the whole text itself when it was not cut
@@ -558,9 +579,9 @@ def _batches(ds, name):
         raise ValueError(f"cannot read {name}: row {row + 1} is not UTF-8 text ({e.reason} at byte {e.start} of "
                          f"its text): convert the file with iconv -t UTF-8") from None
 
-def pieces(parts, progress=None):
+def pieces(parts, progress=None, cut_at=CUT_SPACE):
     """Yield batches of text pieces in corpus order; None = document boundary (never first or twice).
-    progress: a tqdm bar, advanced by the rows read."""
+    progress: a tqdm bar, advanced by the rows read; cut_at: where a long text may be cut (_cut)."""
     started = False
     for kind, ds, name in parts:
         boundary, state = True, {}  # every file starts a document
@@ -576,7 +597,7 @@ def pieces(parts, progress=None):
                 if boundary and started:
                     out.append(None)
                 boundary, started = False, True
-                for cut in _cut(piece):
+                for cut in _cut(piece, cut_at):
                     out.append(cut)
                     chars += len(cut)
                     if chars >= BATCH_CHARS:  # a document's pieces are concatenated: any cut between them is exact

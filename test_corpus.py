@@ -564,6 +564,81 @@ def test_cutting_a_line_copies_one_piece_at_a_time(monkeypatch):
     assert "".join(pieces) == text and len(pieces[0]) == 3000 and max(map(len, pieces[1:])) <= 1000
 
 
+# characters of each kind that meet at a cut: CJK ideographs (with U+2B820, which `tokenizers` does not isolate),
+# kana, Latin, punctuation (U+2E43: Python's only), spaces, combining marks, emoji, controls, Hangul, Thai
+MIXTURE = ("中文字漢語日本東京都\U00020000\U0002a700\U0002b820\U0002b91f\U0002b920\U0002ceb0\U0002f800\uf900"
+           "ひらがなカタカナ゙ー・゠" "Latin café İstanbul ÉRIC ß" ".,;:!?'\"()[]{}<>/\\-_—…、。「」『』！？（）"
+           "\u037e\u0387\u0385\u2e43" "  \u3000\t\n" "\u0301\u0316\u0345\u3099\u200d\ufe0f" "😀👍🏽🇯🇵"
+           "\x07\ufffd\u00ad" "한국어ภาษาไทย" "0123456789")
+
+
+def _tokens(tok, texts):
+    tok.encode_special_tokens = True  # as token_files.tokenize
+    return [i for e in tok.encode_batch_fast(texts, add_special_tokens=False) for i in e.ids]
+
+
+def test_a_cut_before_punctuation_or_a_cjk_ideograph_changes_no_word():
+    # every character _cut may cut before, after a combining mark and before another, in each BertNormalizer setting:
+    # the words (normalized, pre-tokenized) of the text with a space there are the text's own
+    from tokenizers import normalizers, pre_tokenizers
+    every = "".join(map(chr, [*range(0xD800), *range(0xE000, 0x110000)]))
+    for at, chinese in [(corpus.CUT_BERT, False), (corpus.CUT_BERT_CJK, True)]:
+        chars = re.findall(f"[{at}]", every)
+        assert len(chars) == (81_630 if chinese else 366)  # a space, 365 punctuation, 81,264 ideographs
+        whole, spaced = ("".join(f"x\u0345{sep}{c}\u0301y " for c in chars) for sep in ("", " "))
+        for lowercase, strip in [(True, None), (False, None)] + [(False, True), (True, False)] * (not chinese):  # 2 s
+            norm = normalizers.BertNormalizer(handle_chinese_chars=chinese, lowercase=lowercase, strip_accents=strip)
+            pre = pre_tokenizers.BertPreTokenizer()
+            words = lambda text: [w for w, _ in pre.pre_tokenize_str(norm.normalize_str(text))]
+            assert words(whole) == words(spaced), (at == corpus.CUT_BERT, lowercase, strip)
+
+
+def test_cut_pieces_are_tokenized_as_the_whole_text(tmp_path, monkeypatch):
+    # random mixtures cut into pieces of 1 to 40 characters: the pieces' tokens are the text's, for each tokenizer
+    # (trained uncased and cased, a vocab.txt without tokenize_chinese_chars; others are cut before spaces only)
+    import random
+    from tokenizers import pre_tokenizers
+    rng = random.Random(0)
+    texts = ["".join(rng.choices(MIXTURE, k=rng.randint(1, 300))) for _ in range(300)]
+    uncased = data.train_tokenizer(texts, vocab_size=400, limit_alphabet=0)
+    cased = data.train_tokenizer(texts, vocab_size=400, cased=True, limit_alphabet=0)
+    (tmp_path / "vocab.txt").write_text("\n".join(sorted(cased.get_vocab(), key=cased.get_vocab().get)) + "\n")
+    config = {"do_lower_case": False, "tokenize_chinese_chars": False}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    unchinese = data.load_tokenizer(tmp_path / "vocab.txt")
+    other = data.train_tokenizer(texts, vocab_size=400)  # a tokenizer of another kind: spaces only
+    other.pre_tokenizer = pre_tokenizers.Whitespace()
+    added = data.train_tokenizer(texts, vocab_size=400)  # a word of its own matched across a cut: spaces only
+    added.add_tokens(["中文"])
+    expected = [corpus.CUT_BERT_CJK, corpus.CUT_BERT_CJK, corpus.CUT_BERT, corpus.CUT_SPACE, corpus.CUT_SPACE]
+    for tok, at in zip([uncased, cased, unchinese, other, added], expected):
+        assert token_files.cut_at(tok) == at
+        for text in texts:
+            monkeypatch.setattr(corpus, "PIECE_CHARS", rng.randint(2, 40))
+            pieces = list(corpus._cut(text, at))
+            assert "".join(pieces) == text and (len(pieces) > 1 or len(text) <= 80 or at == corpus.CUT_SPACE)
+            assert _tokens(tok, pieces) == _tokens(tok, [text]), (len(at), text, pieces)
+
+
+def test_a_long_spaceless_cjk_row_is_cut_into_the_same_tokens(tmp_path, monkeypatch):
+    # a Chinese or Japanese row has no space: it was encoded whole (~110 bytes a character: a 10 MB row, over 1 GB)
+    import random
+    rng = random.Random(1)
+    row = "".join(rng.choice(["東京都", "中文", "ひらがな", "。", "「カタカナ」", "日本語", "、"]) for _ in range(4000))
+    (tmp_path / "zh.jsonl").write_text(json.dumps({"text": row}) + "\n")
+    whole = data.prepare_data(str(tmp_path / "zh.jsonl"), tmp_path / "whole", vocab_size=300, val_fraction=0)
+    longest, cut = [0], corpus._cut
+    def measured(text, *at):
+        for piece in cut(text, *at):
+            longest[0] = max(longest[0], len(piece))
+            yield piece
+    monkeypatch.setattr(corpus, "_cut", measured)
+    monkeypatch.setattr(corpus, "PIECE_CHARS", 500)
+    short = data.prepare_data(str(tmp_path / "zh.jsonl"), tmp_path / "short", vocab_size=300, val_fraction=0)
+    assert 0 < longest[0] <= 500, f"a piece of {longest[0]} characters of {len(row)}"  # training and tokenizing
+    assert short[0].get_vocab() == whole[0].get_vocab() and np.array_equal(short[1], whole[1])
+
+
 def test_many_files_load_in_groups_in_their_order(tmp_path, monkeypatch):
     # one load_dataset call for all files copied every split's info per split: 2,000 small files took 100 s
     for i in range(7):

@@ -60,7 +60,7 @@ from itertools import chain
 from pathlib import Path
 
 import numpy as np
-from tokenizers import Tokenizer, models
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 from tqdm import tqdm
 
 import atomic
@@ -311,7 +311,8 @@ class CorpusCache:
         with making(path):
             if cached_tokenizer(path) is None:
                 t0, tmp = time.time(), f"{path}.tmp{os.getpid()}"
-                texts = lambda: ([p for p in pieces if p is not None] for pieces in corpus.pieces(self.parts()))
+                texts = lambda: ([p for p in pieces if p is not None]  # train_tokenizer's pipeline is BERT's (cut_at)
+                                 for pieces in corpus.pieces(self.parts(), cut_at=corpus.CUT_BERT_CJK))
                 try:
                     trained = train(texts, vocab_size, save_dir=tmp, **options)
                 except ValueError as e:  # a reading error names its file; "no text" (only whitespace) the corpus
@@ -393,6 +394,16 @@ def cached_tokenizer(dir):
         shutil.rmtree(dir, ignore_errors=True)
         return None
 
+def cut_at(tok):
+    """Where corpus._cut may cut a long text for tok: before a space (any tokenizer), and, where tok's words are
+    BERT's (its normalizer and pre-tokenizer; no added token that is not special, which would be matched across a
+    cut), also before punctuation and (handle_chinese_chars) a CJK ideograph, around which they always end."""
+    norm, pre = tok.normalizer, tok.pre_tokenizer
+    if not (isinstance(norm, normalizers.BertNormalizer) and isinstance(pre, pre_tokenizers.BertPreTokenizer)
+            and all(t.special for t in tok.get_added_tokens_decoder().values())):
+        return corpus.CUT_SPACE
+    return corpus.CUT_BERT_CJK if norm.handle_chinese_chars else corpus.CUT_BERT
+
 def tokenize(tok, parts, path, dtype, sep, data):
     """Encode the corpus (corpus.load_corpus's parts) into `path` (atomically), one `sep` id between
     documents, then write its sidecar; returns the number of tokens."""
@@ -406,7 +417,7 @@ def tokenize(tok, parts, path, dtype, sep, data):
         # token it would end a document, or be a [MASK] no loss asks about
         tok.encode_special_tokens = True
         with open(tmp, "wb") as f:
-            for pieces in corpus.pieces(parts, bar):
+            for pieces in corpus.pieces(parts, bar, cut_at(tok)):
                 # encode_batch_fast runs on every core and skips the offsets we don't need
                 encodings = iter(tok.encode_batch_fast([p for p in pieces if p is not None],
                                                        add_special_tokens=False))
