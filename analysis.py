@@ -315,6 +315,7 @@ def _ends_sentence(before, after):
 
 # these end a sentence wherever they stand: Chinese and Japanese 。！？ (no space follows), Devanagari's danda, Arabic ؟
 SENTENCE_ENDS = "\u3002\uff01\uff1f\uff61\u0964\u0965\u061f\u06d4"
+CLOSERS = "\u300d\u300f\uff09\u3011\u3015\u3009\u300b\u201d\u2019)"  # 」』）】〕〉》”’): stay with the 。 before them
 # a word, as BERT's tokenizer counts them: each CJK ideograph is one (Chinese and Japanese write no spaces)
 WORD = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002fa1f]|"
                   r"[^\s\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002fa1f]+")
@@ -328,13 +329,14 @@ def split_sentences(text):
     """Cheap sentence splitter for WikiText-style prose (undoes its @-@ escapes, raw " @-@ " or decoded
     " @ - @ ", and drops headings): a new sentence starts after . ! or ? and a capital (any letter in
     lowercased text), but not after an initial, an abbreviation (ABBREVIATIONS) or a decoded decimal point;
-    and after any of SENTENCE_ENDS (。 ！ ？ । ؟)."""
+    and after any of SENTENCE_ENDS (。 ！ ？ । ؟) and the CLOSERS that follow it (「…。」 is one sentence)."""
     text = RUN_IN_HEADING.sub("\n", re.sub(r" ?@ ?([-,.]) ?@ ?", r"\1", text))
     starts = "A-Z" if text != text.lower() else "a-z0-9"  # text decoded by an uncased tokenizer
     pieces, start = [], 0
-    for m in re.finditer(rf"(?<=[.!?])\s+(?=[{starts}\"'(\[])|(?<=[{SENTENCE_ENDS}])\s*|\n", text):
+    ends = rf"(?<=[{SENTENCE_ENDS}])(?:\s*[{re.escape(CLOSERS)}])*\s*"  # 。 and the quotes or brackets it closes
+    for m in re.finditer(rf"(?<=[.!?])\s+(?=[{starts}\"'(\[])|{ends}|\n", text):
         if "\n" in m.group() or _ends_sentence(text[start:m.start()], text[m.end():]):
-            pieces.append(text[start:m.start()])
+            pieces.append(text[start:m.start() + len(m.group().rstrip())])  # up to a closing 」 (and no space)
             start = m.end()
     pieces.append(text[start:])
     return [s.strip() for s in pieces if s.strip()]

@@ -1027,6 +1027,10 @@ def test_chinese_japanese_and_hindi_sentences_are_found():
     assert A.split_sentences("用 户 添 加 到 数 据 库 。 创 建 组") == ["用 户 添 加 到 数 据 库 。", "创 建 组"]  # decoded
     assert A.split_sentences("यह एक लंबा वाक्य है। यह दूसरा वाक्य है।") == ["यह एक लंबा वाक्य है।", "यह दूसरा वाक्य है।"]
     assert len(A.load_sentences([text, "この名前はすでに定義されています。"], 10)) == 4  # 名 前 定 義, 3 kana runs: 7 words
+    # a closing quote or bracket after 。 closes that sentence: it started the next one ("」彼は去った。")
+    assert A.split_sentences("「行きます。」彼は去った。") == ["「行きます。」", "彼は去った。"]
+    assert A.split_sentences("他说：“我们走吧。”然后（他）离开了！』』") == ["他说：“我们走吧。”", "然后（他）离开了！』』"]
+    assert A.split_sentences("我 们 走 吧 。 ” 然 后 。") == ["我 们 走 吧 。 ”", "然 后 。"]  # decoded
 
 
 def test_glyphs_the_plot_font_lacks_are_one_note_not_a_warning_each(tmp_path, capsys, recwarn):
