@@ -10,8 +10,8 @@ cache first, datasets the rest; .zst needs the zstandard package); a directory's
 (.name) are skipped and linked folders followed (each real one once, as each real file), and an .arrow file is
 read only beside save_to_disk's state.json. A folder laid out in splits (a DatasetDict's, a hub repository's: its
 README.md configs, data/train-00000-of-00001.parquet, train.jsonl beside test.jsonl, train/) gives its train split's
-files alone, as load_dataset(FOLDER, split="train") and the hub path (split="train") read it (split by file names
-with some files in none, it is refused: which to read is ambiguous). A file named (by its
+files alone, as load_dataset(FOLDER, split="train") and the hub path (split="train") read it (split by names,
+with some files naming no split, it is refused: which to read is ambiguous). A file named (by its
 path or a glob) with another suffix is text, or JSON Lines when it is .json or starts with a JSON object
 (WikiExtractor --json); .csv and .tsv are refused. A
 document starts at each file, each jsonl/parquet row, each WikiExtractor `<doc ...>` line (the <doc>/</doc> lines
@@ -275,6 +275,13 @@ def _in_no_split(files, splits):
     held = {f for split in splits.values() for f in split}
     return [f for f in files if f not in held]
 
+def _names_a_split(rel):
+    """Whether a relative path names a split in a folder's or its file's name (val.jsonl beside train/, which
+    datasets passes over: its folder rule came first)."""
+    *dirs, name = rel.split("/")
+    return any(rule.fullmatch(d) for rule in _IN_FOLDER.values() for d in dirs) or any(
+        rule.fullmatch(name) for rule in _IN_FILE.values())
+
 def _train_split(data, folder, files):
     """The train split's files of a folder (all of them when it has no splits), as the hub path reads split="train":
     a folder's validation and test files were read along and trained on (the held-out tail was the last split)."""
@@ -288,10 +295,10 @@ def _train_split(data, folder, files):
     if not splits["train"]:
         raise ValueError(f"the train split of {data} (as datasets reads the folder) has no .txt/.raw/.jsonl/.parquet/"
                          f".arrow files (optionally .xz/.gz/.bz2/.zst)")
-    in_none = _in_no_split(files, splits)
+    in_none = [f for f in _in_no_split(files, splits) if not _names_a_split(f.relative_to(folder).as_posix())]
     if in_none and _card_config(folder) is None and not (folder / "dataset_dict.json").is_file():
-        # split by file names only, with files in none (a.txt, b.txt beside train_notes.txt): datasets would read
-        # train_notes.txt alone, a user may mean them all: which is not ours to guess
+        # split by names, with files that name none (a.txt, b.txt beside train_notes.txt): datasets would read
+        # train_notes.txt alone, a user may mean them all: which is not ours to guess (train/ beside val.jsonl: train/)
         train = splits["train"]
         raise ValueError(f"{data}: which files to read is ambiguous: {len(train)} name the train split (e.g. "
                          f"{train[0].relative_to(folder)}), {len(in_none)} no split (e.g. {in_none[0].relative_to(folder)})"
@@ -322,11 +329,12 @@ def split_note(data):
     others = [f"{name} ({count(files)})" for name, files in splits.items() if name != "train"]
     in_none = _in_no_split(files, splits)  # datasets reads them in none
     others += [f"{count(in_none)} in no split, e.g. {in_none[0].relative_to(folder)}"] if in_none else []
+    plain = [f for f in in_none if not _names_a_split(f.relative_to(folder).as_posix())]  # not val.jsonl
     if not others:
         return None
     return (f"reading the train split of {data} ({count(splits['train'])}), as load_dataset(split='train') does; "
             f"left out: {', '.join(others)}" + (f"; a glob reads every file: --data '{_glob_of(data, files)}'"
-                                                if in_none else ""))
+                                                if plain else ""))
 
 def resolve_files(data):
     """Local files for `data` in sorted order, or None when `data` is a hub dataset name."""

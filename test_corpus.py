@@ -400,6 +400,21 @@ def test_a_folder_in_splits_without_a_train_split_is_refused(tmp_path):
 
 
 
+def test_files_beside_a_split_folder_that_name_a_split_are_not_ambiguous(tmp_path):
+    # The Pile's layout: train/ beside val.jsonl and test.jsonl is read as datasets reads it, train/ alone; it was
+    # refused as ambiguous, with a glob that reads every file (the test split trained on) as the way out
+    for name in ("train/00.jsonl", "train/01.jsonl", "val.jsonl", "test.jsonl"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text('{"text": "the river"}\n')
+    assert corpus.resolve_files(str(tmp_path)) == [tmp_path / "train/00.jsonl", tmp_path / "train/01.jsonl"]
+    note = corpus.split_note(str(tmp_path))
+    assert "left out: 2 files in no split, e.g. test.jsonl" in note and "glob" not in note
+    (tmp_path / "notes.jsonl").write_text('{"text": "the river"}\n')  # a file that names no split still is
+    with pytest.raises(ValueError, match=re.escape("2 name the train split (e.g. train/00.jsonl), 1 no split (e.g. "
+                                                   "notes.jsonl)")):
+        corpus.resolve_files(str(tmp_path))
+
+
 def test_splitting_a_folder_of_many_files_is_linear(tmp_path, monkeypatch):
     # each file was looked up in each split's list: a plain folder of 15,000 files took 18 s, twice (0.4 s before)
     import pathlib
