@@ -238,7 +238,10 @@ def folder_splits(folder, files):
     config = _card_config(folder)
     if config is not None:
         folder = folder / str(config.get("data_dir") or "")
-        files = [f for f in files if os.path.realpath(f).startswith(os.path.join(os.path.realpath(folder), ""))]
+        root, real = os.path.join(os.path.realpath(folder), ""), {f: os.path.realpath(f) for f in files}
+        # its files, by their real paths: a link to one (a.txt -> en/x.txt, read as en/x.txt's one path) is en/x.txt
+        rel = {f: Path(r[len(root):]).as_posix() for f, r in real.items() if r.startswith(root)}
+        files = list(rel)
         patterns = config.get("data_files")
         if patterns is not None:  # "*.txt" or [..] (all train), [{split: train, path: ..}, ..], {train: .., ..}
             if isinstance(patterns, list) and all(isinstance(p, dict) for p in patterns):
@@ -247,9 +250,10 @@ def folder_splits(folder, files):
             for split, paths in (patterns if isinstance(patterns, dict) else {"train": patterns}).items():
                 found = {os.path.realpath(p) for path in ([paths] if isinstance(paths, str) else paths or [])
                          for p in glob.glob(os.path.join(glob.escape(str(folder)), str(path)), recursive=True)}
-                splits[str(split)] = [f for f in files if os.path.realpath(f) in found]
+                splits[str(split)] = [f for f in files if real[f] in found]
             return splits
-    rel = {f: f.relative_to(folder).as_posix() for f in files}
+    else:
+        rel = {f: f.relative_to(folder).as_posix() for f in files}
     splits = {}
     if (folder / "dataset_dict.json").is_file():  # save_to_disk of a DatasetDict: a folder a split
         try:  # its splits, an empty one too (a folder without .arrow files)

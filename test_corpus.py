@@ -415,6 +415,15 @@ def test_files_beside_a_split_folder_that_name_a_split_are_not_ambiguous(tmp_pat
         corpus.resolve_files(str(tmp_path))
 
 
+def test_a_card_data_dir_holds_a_link_to_its_file(tmp_path):
+    # a.txt -> en/train.txt is that file's one path (read once): it was "'a.txt' is not in the subpath of 'en'"
+    (tmp_path / "en").mkdir()
+    (tmp_path / "en" / "train.txt").write_text("the river\n")
+    (tmp_path / "a.txt").symlink_to("en/train.txt")
+    (tmp_path / "README.md").write_text("---\nconfigs:\n- config_name: default\n  data_dir: en\n---\n")
+    assert corpus.resolve_files(str(tmp_path)) == [tmp_path / "a.txt"] and corpus.split_note(str(tmp_path)) is None
+
+
 def test_splitting_a_folder_of_many_files_is_linear(tmp_path, monkeypatch):
     # each file was looked up in each split's list: a plain folder of 15,000 files took 18 s, twice (0.4 s before)
     import pathlib
