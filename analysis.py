@@ -383,7 +383,7 @@ def held_out_documents(text_path, model_path):
             raise  # exit-1 line, as train.py's, not the sample corpus analysed in the split's place
         sample = getattr(data, "SAMPLE_CORPUS", None)
         if sample and os.path.isfile(sample):
-            why = f": {e}" if isinstance(e, LookupError) else ""
+            why = f": {e}" if isinstance(e, (LookupError, ValueError)) else ""  # data moved, a folder now refused
             return read_lines(sample), f"{os.path.basename(sample)} (sample corpus; no validation split of {run_dir}{why})"
         raise ValueError(f"no held-out text: pass --text FILE (validation split of {run_dir} unavailable: "
                          f"{type(e).__name__}: {e})") from None

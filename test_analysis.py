@@ -763,6 +763,15 @@ def test_held_out_text_falls_back_to_the_sample_corpus(tmp_path, monkeypatch):
     documents, source = A.held_out_documents(None, str(tmp_path))  # a directory without log.jsonl (HF export)
     assert "sample corpus" in source and documents[1] == make_text(30, seed=2)[0]
     assert not any(s.startswith("=") for s in A.load_sentences(documents, 1000))
+    # a run whose --data is gone, or is a folder refused now (its files named a split and not): said why
+    (tmp_path / "data").mkdir()
+    for name in ("a.txt", "train_notes.txt"):
+        (tmp_path / "data" / name).write_text("the river\n")
+    for data, why in ((tmp_path / "gone.txt", "data path not found"), (tmp_path / "data", "ambiguous")):
+        (tmp_path / "log.jsonl").write_text(json.dumps({"config": {"data": str(data), "cache_dir": str(tmp_path / "c"),
+                                                                    "vocab_size": 100, "val_fraction": 0.1}}) + "\n")
+        source = A.held_out_documents(None, str(tmp_path))[1]
+        assert f"(sample corpus; no validation split of {tmp_path}: " in source and why in source, source
 
 
 def test_shipped_sample_corpus():
