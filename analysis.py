@@ -1023,7 +1023,9 @@ def diverged_at(path):
 
 def plot_logs(paths, out):
     """eval.py --plot_log: one subplot per numeric key, one line per run (legend = run
-    directory). out: a .png path or a directory (written as training_curves.png)."""
+    directory). paths: log.jsonl files or run directories (each stands for its log.jsonl, as in --plot_log). out: a .png
+    path or a directory (written as training_curves.png)."""
+    paths = [os.path.join(p, "log.jsonl") if os.path.isdir(p) else p for p in paths]  # (a raw IsADirectoryError before)
     plt = _pyplot()
     path = out if out and out.lower().endswith(".png") else os.path.join(out or ".", "training_curves.png")
     table_path = os.path.splitext(path)[0] + ".md"  # the last held-out values, beside the picture

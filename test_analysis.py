@@ -576,6 +576,9 @@ def test_plot_logs(tmp_path):
     assert rows[0] == "| run | step | val_mlm_loss | val_mlm_acc | contextual_score | wordsim_cooc_sim |"
     assert rows[2:] == ["| mlm | 100 | 2.3333 | 0.5000 | 0.2000 | 0.2000 |", "| taco | 100 | 2.3333 | 0.5000 | 0.2000 | 0.2000 |"]
     assert A.plot_logs([a], str(tmp_path / "plots")) == path  # its own table is rewritten ...
+    first = (tmp_path / "plots" / "training_curves.md").read_text()  # a run directory stands for its log.jsonl, as in
+    assert A.plot_logs([os.path.dirname(a)], str(tmp_path / "plots")) == path  # --plot_log (an IsADirectoryError)
+    assert (tmp_path / "plots" / "training_curves.md").read_text() == first
     (tmp_path / "plots" / "notes.md").write_text("# my notes\n")  # ... a markdown file of the user's is not
     with pytest.raises(ValueError, match="notes.md exists and is not a table that --plot_log wrote"):
         A.plot_logs([a], str(tmp_path / "plots" / "notes.png"))
