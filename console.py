@@ -21,6 +21,8 @@ class Console:
     is written as an escape (\\xe9), as Python's stderr does, not a UnicodeEncodeError."""
 
     def __init__(self, stream):
+        if isinstance(stream, Console):  # wrapped again (`%run train.py` twice in one notebook): one layer, not two
+            stream = stream.stream
         # None: started with the stream closed (>&-)
         self.stream = stream if stream is not None else open(os.devnull, "w", encoding="utf-8")
         if hasattr(self.stream, "reconfigure"):  # an undecodable path byte too: \udcff, not surrogateescape's byte

@@ -244,12 +244,17 @@ class StopSignals:
     a second SIGTERM is ignored (the scheduler and torchrun both send one; it must not abort the save).
     SIGHUP (the terminal closed: an ssh session lost without nohup or tmux) stops it as SIGTERM does,
     unless it is ignored already (nohup). Used as a context manager: the previous handlers come back on
-    exit, unless a stop was seen (then a late repeated SIGTERM keeps being ignored while the process exits)."""
+    exit, unless a stop was seen (then a late repeated SIGTERM keeps being ignored while the process exits;
+    rundir.run_main puts the process's own back when it returns, for a caller that goes on). In a thread other
+    than the main one it sets none: no signal stops such a run."""
 
     def __init__(self, layout):
         self.layout, self.received = layout, []
 
     def __enter__(self):
+        self.handlers = {}
+        if threading.current_thread() is not threading.main_thread():  # a run in a thread (a notebook's background
+            return self  # run): Python takes signals in the main thread only, so none stops this run (nor can be set)
         stops = [signal.SIGINT, signal.SIGTERM]
         if hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) == signal.SIG_DFL:  # not Windows; not nohup
             stops.append(signal.SIGHUP)
@@ -266,6 +271,27 @@ class StopSignals:
             raise KeyboardInterrupt
         if not self.received:
             self.received.append(signum)
+
+    @staticmethod
+    def process_handlers():
+        """The process's own handlers of the stop signals, for put_back (rundir.run_main): a stopped run leaves its own
+        installed, but main() called from Python (a notebook, a loop of runs) goes on after it."""
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        return {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s}
+
+    @staticmethod
+    def put_back(handlers):
+        """After the run: the process's handlers again (the next cell's Ctrl-C, a later run's SIGHUP, Jupyter's
+        SIGTERM), the console flushed first (a repeated SIGTERM may now end the process before its own flush)."""
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError, AttributeError):
+                pass
+        for s, handler in handlers.items():
+            if handler is not None:  # None: set outside Python, left as it is
+                signal.signal(s, handler)
 
     @property
     def name(self):  # None when no signal came

@@ -59,8 +59,12 @@ def run_main(train, argv, usage):
     out_dir locked, then train(cfg, ckpt). Errors become one line and an exit code."""
     lock = made = None
     rank = distributed.env_int("RANK")  # torchrun's; errors are printed once, by rank 0
+    handlers = distributed.StopSignals.process_handlers()  # put back on the way out: the caller may go on (a notebook)
     try:
-        cfg, given = parse_args(sys.argv[1:] if argv is None else argv, usage=usage)
+        try:
+            cfg, given = parse_args(sys.argv[1:] if argv is None else argv, usage=usage)
+        except ValueError as e:  # main() without flags reads the command line, in a notebook the kernel's
+            raise ValueError(f"{e}{whose_command_line() if argv is None else ''}") from None
         if cfg.init_from and "model_size" in given:
             raise ValueError(f"--model_size {cfg.model_size}: with --init_from the model is the checkpoint's own; "
                              f"drop --model_size")
@@ -111,8 +115,19 @@ def run_main(train, argv, usage):
             release_lock(lock)
         if made and os.path.isdir(made) and not os.listdir(made):  # bad input found late (a --data path)
             os.rmdir(made)
+        distributed.StopSignals.put_back(handlers)
     if code:
         sys.exit(code)
+
+
+def whose_command_line():
+    """Where main() called without flags read a flag it refused: sys.argv[1:] is another program's where train.main()
+    is called from Python (Jupyter's kernel: ['-f', '.../kernel-N.json'])."""
+    program = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
+    if program == "train.py":
+        return ""
+    return (f", in the command line of {program} (sys.argv[1:] = {sys.argv[1:]}), which train.main() reads when called "
+            f"without flags; from Python, pass them: train.main(['--objective', 'taco', '--max_steps', '20'])")
 
 
 # what --resume may not change: the model and its vocabulary, the data order and the validation split

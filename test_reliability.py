@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -1053,6 +1054,41 @@ def test_a_full_disk_inside_the_safetensors_export_is_one_error_line(corpus, cac
     assert not [p for p in (tmp_path / "run").iterdir() if ".tmp" in p.name]
 
 
+def test_train_main_called_from_python_twice_after_a_ctrl_c_from_a_thread_and_from_a_notebook(corpus, cache, tmp_path,
+                                                                                                capsys, monkeypatch):
+    # a notebook's stop button (SIGINT) mid-run: the run saved and exited 130, but left its own handlers installed,
+    # so the kernel ignored SIGTERM and SIGHUP from then on, and a later run in the same process took no SIGHUP
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    lr_at = train.lr_at
+
+    def stop_button(step, cfg):  # at the start of step 3: the run stops after it
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return lr_at(step, cfg)
+    monkeypatch.setattr(train, "lr_at", stop_button)
+    code, out, err = run_main(flags(corpus, cache, tmp_path / "run"), capsys)
+    assert code == 130 and "SIGINT: stopped after step 4" in out, err
+    assert {s: signal.getsignal(s) for s in before} == before and not (tmp_path / "run" / ".lock").exists()
+    monkeypatch.setattr(train, "lr_at", lr_at)
+    code, out, err = run_main(["--resume", tmp_path / "run", "--max_steps", 8], capsys)
+    assert code == 0 and "steps 4 -> 8" in out and {s: signal.getsignal(s) for s in before} == before, err
+    # from a thread (a notebook's background run), where Python sets no signal handler: it was an `error: signal
+    # only works in main thread` exit 2, after the run had written its tokenizer and log.jsonl into out_dir
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(r=run_main(flags(corpus, cache, tmp_path / "t", max_steps=2),
+                                                                      capsys)))
+    thread.start()
+    thread.join()
+    assert result["r"][0] == 0 and hf_io.load_checkpoint_file(str(tmp_path / "t" / "ckpt.pt"))["step"] == 2, result
+    # main() without flags in Jupyter reads the kernel's command line: the error says whose, and what to do instead
+    monkeypatch.setattr(sys, "argv", ["/venv/site-packages/ipykernel_launcher.py", "-f", "/k/kernel.json"])
+    with pytest.raises(SystemExit) as stopped:
+        train.main()
+    assert stopped.value.code == 2
+    one_error(capsys.readouterr().err, "unexpected argument '-f'", "command line of ipykernel_launcher.py",
+              "train.main(['--objective'")
+
+
 def test_the_console_outlives_a_stream_it_cannot_write_and_escapes_what_its_encoding_lacks():
     class Full(io.StringIO):  # `> /dev/full`, a lost terminal: an OSError on every write (a BrokenPipeError is one)
         def write(self, text):
@@ -1065,6 +1101,8 @@ def test_the_console_outlives_a_stream_it_cannot_write_and_escapes_what_its_enco
     console.write("In out/caf\u00e9: TACO \u00a75.2 \u00d7 2\n")  # a path; --help's \u00a7: a UnicodeEncodeError
     console.flush()
     assert ascii_console.buffer.getvalue() == b"In out/caf\\xe9: TACO \\xa75.2 \\xd7 2\n"
+    # `%run train.py` twice in one notebook wraps sys.stdout twice: one layer, not one more per %run
+    assert Console(Console(Console(ascii_console))).stream is ascii_console
 
 
 @pytest.mark.slow
