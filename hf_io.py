@@ -21,6 +21,7 @@ refused on an unsafe torch; test_the_same_weights_export_to_the_same_bytes), tes
 transformers through from_pretrained), and in test_reliability.py test_a_pickle_payload_is_refused_and_never_runs
 and test_kill_between_checkpoint_and_export_leaves_a_loadable_run (a kill between the export's files).
 """
+import errno
 import hashlib
 import json
 import math
@@ -482,8 +483,8 @@ def still_training(path):
     with f:
         try:
             fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError:
-            return True
+        except OSError as e:  # held; any other error is a file system without locks, where no run holds one
+            return e.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
     return False  # closing the file released the shared lock
 
 

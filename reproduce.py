@@ -27,6 +27,7 @@ scores, RUN/glue_RECIPE.json the others'. What the scales mean is in SCALES belo
 the numbers; device_run.py splits the mini scale into commands that each fit one GPU session.
 """
 import argparse
+import errno
 import glob
 import json
 import math
@@ -375,9 +376,10 @@ def try_lock(path):
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except ImportError:  # Windows: no flock, no check
         pass
-    except OSError:
-        f.close()
-        return None
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):  # any other: a file system without locks (none held)
+            f.close()
+            return None
     return f
 
 

@@ -1,7 +1,8 @@
 """The run directory (out_dir): what makes a run safe to kill, resume and trust. The algorithm does not need it.
 
 It guarantees (test_reliability.py and test_train.py hold it to each):
-- one run per out_dir: an OS file lock (flock), released by the OS however the holder dies;
+- one run per out_dir: an OS file lock (flock), released by the OS however the holder dies (a file system
+  without locks: a note, and the run goes on unlocked);
 - every file is written atomically (NAME.tmp, then a rename); a run killed mid-save leaves its partial
   files, which the next run on the out_dir removes; a half-written last log line is dropped;
 - ckpt.pt is what --resume trusts; the Hugging Face export is written after it and rewritten from it
@@ -235,11 +236,17 @@ def saved_config(ckpt, path="checkpoint"):
     return TrainConfig(**{k: v for k, v in saved.items() if k in types})
 
 
+# the errors of a lock another process holds (EACCES and EDEADLK: Windows' msvcrt.locking); any other is a file
+# system without locks
+LOCK_HELD = (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES, errno.EDEADLK)
+
+
 def take_lock(out_dir, name=".lock", what=None):
     """Hold out_dir/.lock while a run writes there: a second run on the same out_dir is refused. It is
     an OS file lock (flock), so the OS releases it when the process dies, however it dies, on this host
     or another one sharing the file system: a killed run never leaves a stale lock. The file holds
     "pid host" for the error message. Returns the open file: closing it (or exiting) releases the lock.
+    On a file system without locks it says so and goes on unlocked.
     name and what: another writer's lock in out_dir and what its error calls out_dir (eval.py's, locked)."""
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, name)
@@ -265,7 +272,12 @@ def take_lock(out_dir, name=".lock", what=None):
             else:
                 import fcntl
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except OSError as e:
+            if e.errno not in LOCK_HELD:  # a file system without locks (Lustre without -o flock, some NFS and
+                # FUSE mounts): no run holds this lock, and refusing would stop every run there. Go on unlocked
+                print(f"note: cannot lock {path} ({e.strerror}): this file system has no file locks, so a second "
+                      f"run on {out_dir} would not be refused; run one at a time there", file=sys.stderr)
+                break
             try:
                 f.seek(0)
                 pid, host = f.read().split()

@@ -1947,6 +1947,35 @@ def test_a_lock_taken_over_from_a_dead_run_names_its_new_holder(tmp_path):
 
 
 @pytest.mark.skipif(os.name == "nt", reason="flock")
+def test_a_file_system_without_locks_runs_unlocked_and_says_so(corpus, cache, tmp_path, capsys, monkeypatch):
+    # Lustre without -o flock (ENOSYS), an NFS mount whose lock daemon is gone (ENOLCK), some FUSE mounts: flock
+    # fails there for every caller. That was "--out_dir is in use by another process" for every run: none could start
+    import errno
+    import fcntl
+    import reproduce
+    real_flock = fcntl.flock
+
+    def no_locks(f, op):
+        raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS))
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    code, out, err = run_main(flags(corpus, cache, tmp_path / "run", max_steps=2), capsys)
+    assert code == 0 and "done: steps 0 -> 2" in out, err
+    assert err == (f"note: cannot lock {tmp_path / 'run' / '.lock'} (Function not implemented): this file system has "
+                   f"no file locks, so a second run on {tmp_path / 'run'} would not be refused; run one at a time there\n")
+    assert not hf_io.still_training(str(tmp_path / "run"))  # it cannot tell: not "still training"
+    reproduce.try_lock(str(tmp_path / "r.lock")).close()  # reproduce.py goes on too
+    # a lock another process holds is still refused, by take_lock, reproduce.py and still_training
+    monkeypatch.setattr(fcntl, "flock", real_flock)
+    lock = rundir.take_lock(str(tmp_path / "run"))
+    monkeypatch.setattr(fcntl, "flock", lambda f, op: (_ for _ in ()).throw(OSError(errno.EWOULDBLOCK, "held")))
+    with pytest.raises(ValueError, match="is in use by process"):
+        rundir.take_lock(str(tmp_path / "run"))
+    assert hf_io.still_training(str(tmp_path / "run")) and reproduce.try_lock(str(tmp_path / "r.lock")) is None
+    monkeypatch.setattr(fcntl, "flock", real_flock)
+    rundir.release_lock(lock)
+
+
+@pytest.mark.skipif(os.name == "nt", reason="flock")
 def test_a_leaving_run_deletes_its_lock_file_while_it_still_holds_it(tmp_path, monkeypatch):
     # unlocked first, another run could lock the file in between and then lose it to the delete (see take_lock)
     lock, held, real_remove = rundir.take_lock(str(tmp_path)), [], os.remove
