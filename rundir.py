@@ -463,27 +463,46 @@ def repair_log(path):
             f.truncate()
 
 
+GIT_TIMEOUT = 30  # seconds for each git call (a hung git: a stale NFS mount, a fsmonitor hook)
+
+
 def provenance(out_dir=None, diff_name="code.diff"):
     """The code that ran: git commit, whether the checkout had local changes (and the sha1 of
     `git diff HEAD` plus any untracked .py file, saved as out_dir/diff_name), torch version, host.
-    Outside git: commit None."""
+    Outside git: commit None. A checkout git cannot read (another user's: "dubious ownership"; an edited file
+    this user cannot read; a git that hangs) is one note, and dirty None (unknown), not a clean checkout."""
     here = os.path.dirname(os.path.abspath(__file__))
+    # bytes that are not UTF-8 (a latin-1 comment in an edited file) are replaced: strict, they stopped the run;
+    # LC_ALL=C: git's messages in English, which "not a git repository" below is matched against
     git = lambda *args: subprocess.run(["git", *args], cwd=here, capture_output=True, text=True, encoding="utf-8",
-                                       timeout=30)
-    commit, diff = None, ""
+                                       errors="replace", env={**os.environ, "LC_ALL": "C"}, timeout=GIT_TIMEOUT)
+    failed = lambda done: (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[0][:200]
+    commit, diff, unread = None, "", None  # unread: why git could not say what this checkout holds
     try:
         out = git("rev-parse", "HEAD")
         if out.returncode == 0:
-            commit, diff = out.stdout.strip(), git("diff", "HEAD").stdout
-            top = git("rev-parse", "--show-toplevel").stdout.strip()
-            for name in git("ls-files", "--others", "--exclude-standard", "--full-name", ":/*.py").stdout.split():
-                with open(os.path.join(top, name), encoding="utf-8", errors="replace") as f:  # an ablation's new module
-                    diff += f"untracked file {name}:\n" + "".join("+" + line for line in f)
+            commit, diffed = out.stdout.strip(), git("diff", "HEAD")
+            if diffed.returncode:
+                unread = f"`git diff HEAD` failed ({failed(diffed)})"
+            else:
+                diff = diffed.stdout
+                top = git("rev-parse", "--show-toplevel").stdout.strip()
+                for name in git("ls-files", "--others", "--exclude-standard", "--full-name", ":/*.py").stdout.split():
+                    with open(os.path.join(top, name), encoding="utf-8", errors="replace") as f:  # an ablation's module
+                        diff += f"untracked file {name}:\n" + "".join("+" + line for line in f)
+        elif "not a git repository" not in out.stderr:
+            unread = f"`git rev-parse HEAD` failed ({failed(out)})"
+    except subprocess.TimeoutExpired as e:
+        unread = f"`{' '.join(e.cmd)}` did not answer in {GIT_TIMEOUT} s"
     except (OSError, subprocess.SubprocessError):
-        pass
-    if diff and out_dir:
+        pass  # no git installed
+    if unread:
+        recorded = f"commit {commit[:7]} with its local changes unknown" if commit else "no commit"
+        print(f"note: {unread}: log.jsonl records {recorded} (each module's sha1 still says which code ran)")
+    if diff and out_dir and not unread:
         write_atomic(os.path.join(out_dir, diff_name), diff)
-    return dict(git_commit=commit, dirty=bool(diff), diff_sha1=hashlib.sha1(diff.encode()).hexdigest() if diff else None,
+    return dict(git_commit=commit, dirty=None if unread else bool(diff),
+                diff_sha1=hashlib.sha1(diff.encode()).hexdigest() if diff and not unread else None,
                 torch=torch.__version__, host=socket.gethostname(), modules=code_fingerprint())
 
 

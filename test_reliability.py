@@ -1580,6 +1580,41 @@ def test_provenance_records_commit_and_diff(corpus, cache, tmp_path, capsys, mon
     assert prov["git_commit"] is None and prov["dirty"] is False and prov["diff_sha1"] is None
 
 
+@pytest.mark.skipif(os.name == "nt", reason="a fake git as a shell script")
+def test_a_checkout_git_cannot_read_is_a_note_not_a_clean_checkout_or_a_stop(tmp_path, capsys, monkeypatch):
+    # an edit that is not UTF-8 (a latin-1 comment) stopped every run: "error: 'utf-8' codec can't decode byte 0xe9"
+    repo, out = tmp_path / "repo", tmp_path / "out"
+    repo.mkdir(), out.mkdir()
+    git = lambda *a: subprocess.run(["git", "-C", str(repo), *a], check=True, capture_output=True)
+    git("init", "-q")
+    (repo / "losses.py").write_text("weight = 1.0\n")
+    git("add", "losses.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x")
+    (repo / "losses.py").write_bytes(b"weight = 0.5  # caf\xe9\n")
+    monkeypatch.setenv("GIT_DIR", str(repo / ".git"))
+    monkeypatch.setenv("GIT_WORK_TREE", str(repo))
+    prov = rundir.provenance(str(out))
+    assert prov["git_commit"] and prov["dirty"] is True and "+weight = 0.5  # caf" in (out / "code.diff").read_text()
+    # `git diff HEAD` failing (an edited file this user cannot read: "fatal: cannot hash"; here its external diff
+    # dies) after rev-parse worked recorded the commit as a clean checkout
+    (out / "code.diff").unlink()
+    monkeypatch.setenv("GIT_EXTERNAL_DIFF", "false")
+    capsys.readouterr()
+    prov = rundir.provenance(str(out))
+    assert prov["git_commit"] and prov["dirty"] is None and prov["diff_sha1"] is None and not os.listdir(out)
+    assert "note: `git diff HEAD` failed (fatal: external diff died" in capsys.readouterr().out
+    # a git that hangs (a stale NFS mount) was a silent wait, then "no git"
+    monkeypatch.delenv("GIT_EXTERNAL_DIFF")
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "git").write_text("#!/bin/sh\nexec sleep 30\n")
+    (tmp_path / "bin" / "git").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(rundir, "GIT_TIMEOUT", 1, raising=False)
+    prov = rundir.provenance(str(out))
+    assert prov["git_commit"] is None and prov["dirty"] is None
+    assert "note: `git rev-parse HEAD` did not answer in 1 s: log.jsonl records no commit" in capsys.readouterr().out
+
+
 def test_a_resume_after_an_edit_names_the_changed_modules(corpus, cache, tmp_path, capsys, monkeypatch):
     # an ablation edits losses.py, then resumes a run made before the edit: one run, two codes, said
     code, _, err = run_main(flags(corpus, cache, tmp_path / "run", max_steps=5, ckpt_interval=5), capsys)
