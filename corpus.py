@@ -43,6 +43,7 @@ import lzma
 import os
 import re
 import string
+import sys
 import unicodedata
 from bisect import bisect_right
 from contextlib import contextmanager
@@ -487,12 +488,25 @@ def _check_text(ds, where):
     if getattr(ds.features["text"], "dtype", None) not in ("string", "large_string"):
         raise ValueError(f"the 'text' field of {where} holds {ds.features['text']}, not strings")
 
+def utf8_names(path):
+    """Whether pyarrow or Rust (tokenizers), which encode a file name as UTF-8 whatever the locale, opens the file the OS calls path: not
+    a non-ASCII path under a locale that is not UTF-8 (LANG=en_US is ISO-8859-1; LC_ALL=C with PYTHONUTF8=0)."""
+    try:
+        return os.fsencode(path) == path.encode("utf-8")
+    except UnicodeEncodeError:  # a byte the locale could not decode
+        return False
+
 def load_corpus(data, files, cache_dir):
     """[(kind, Dataset with a "text" column, name)] in corpus order; kind "lines" or "docs" (row = document).
     files: resolve_files(data)."""
+    hf_cache = str(Path(cache_dir) / "hf")
+    if not utf8_names(os.path.abspath(hf_cache)):  # datasets' Arrow files were not found, and the corpus was blamed
+        raise ValueError(f"--cache_dir {cache_dir}: a path that is not ASCII under this locale's "
+                         f"{sys.getfilesystemencoding()} file names, where datasets' Arrow files cannot be written "
+                         f"(pyarrow names files in UTF-8): choose a --cache_dir with an ASCII path, or run under a "
+                         f"UTF-8 locale (LC_ALL=C.UTF-8)")
     import datasets  # imported here: it costs ~2 s and is only needed on a cache miss
     datasets.disable_progress_bars()  # our own bar is enough
-    hf_cache = str(Path(cache_dir) / "hf")
     if files is None:
         name, _, config = data.partition(":")
         try:

@@ -8,6 +8,7 @@ import json
 import lzma
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -84,6 +85,41 @@ def test_compressed_text_is_utf8_under_any_locale(tmp_path):
     mine, sample, *zst = json.loads(done.stdout)
     assert mine == [text.strip()] and sample[:3] == corpus.read_text(corpus.SAMPLE_CORPUS).splitlines()[:3]
     assert zst in ([], [[text.strip()]])
+
+
+@pytest.mark.skipif(os.name == "nt", reason="file names are UTF-16 on Windows")
+def test_a_cache_dir_the_locale_cannot_name_for_arrow_is_one_line_about_the_cache(tmp_path):
+    # a non-ASCII --cache_dir under a locale that is not UTF-8 (LANG=en_US is ISO-8859-1): pyarrow names datasets'
+    # Arrow files in UTF-8, so it did not find them (or could not encode the name), and the corpus was blamed:
+    # "cannot read corpus.txt as text: FileNotFoundError: ... Failed to open local file" / "UnicodeEncodeError"
+    (tmp_path / "corpus.txt").write_text(_wikiextractor_text())
+    cache = tmp_path / "caf\u00e9"
+    script = "import corpus, sys; corpus.load_corpus(sys.argv[1], corpus.resolve_files(sys.argv[1]), sys.argv[2])"
+    env = {**os.environ, "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0", "LC_ALL": "C"}
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "corpus.txt"), str(cache)],
+                          cwd=os.path.dirname(corpus.__file__), env=env, capture_output=True)
+    err = done.stderr.decode(errors="replace").strip().splitlines()[-1]
+    assert "ValueError: --cache_dir " in err and "choose a --cache_dir with an ASCII path" in err, err
+    assert not (cache / "hf").exists()
+
+
+@pytest.mark.skipif(os.name == "nt", reason="file names are UTF-16 on Windows")
+def test_a_tokenizer_under_a_path_the_locale_cannot_name_for_rust_is_read_or_named(tok_dir, tmp_path):
+    # tokenizers' from_file names the file in UTF-8: under a locale that is not UTF-8 a run made in a non-ASCII
+    # --out_dir could not be resumed, nor evaluated: "cannot read tokenizer DIR/tokenizer.json: No such file"
+    run, bare = tmp_path / "caf\u00e9", tmp_path / "na\u00efve"
+    run.mkdir(), bare.mkdir()
+    shutil.copy(tok_dir / "tokenizer.json", run / "tokenizer.json")
+    shutil.copy(tok_dir / "vocab.txt", bare / "vocab.txt")  # a bare vocab.txt (Google's BERT) is read by Rust still
+    script = ("import sys, token_files\nfor d in sys.argv[1:]:\n    try:\n        tok, _ = token_files.read_tokenizer(d)\n"
+              "        print(tok.get_vocab_size())\n    except ValueError as e:\n        print(e)")
+    env = {**os.environ, "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0", "LC_ALL": "C"}
+    done = subprocess.run([sys.executable, "-c", script, str(run), str(bare / "vocab.txt")],
+                          cwd=os.path.dirname(corpus.__file__), env=env, capture_output=True)
+    assert done.returncode == 0, done.stderr.decode(errors="replace")
+    size, refused = done.stdout.decode(errors="replace").splitlines()
+    assert size == str(len((tok_dir / "vocab.txt").read_text(encoding="utf-8").splitlines())), size
+    assert refused.startswith("cannot read vocabulary ") and "move it to an ASCII path" in refused, refused
 
 
 def test_special_token_spellings_in_the_text_are_text(tok_dir, tmp_path):

@@ -54,6 +54,7 @@ import os
 import re
 import shutil
 import string
+import sys
 import time
 import unicodedata
 from contextlib import contextmanager
@@ -168,7 +169,9 @@ def read_tokenizer(path):
         raise ValueError(f"tokenizer not found: {path}")
     if path.suffix == ".json":
         try:
-            tok = Tokenizer.from_file(str(path))
+            # read here, not by from_file: Rust names the file in UTF-8, so under a locale that is not (LANG=en_US is
+            # ISO-8859-1) a non-ASCII path was "No such file or directory"
+            tok = Tokenizer.from_str(path.read_text(encoding="utf-8"))
         except Exception as e:  # the Rust loader's error: "EOF while parsing a value at line 1..."
             raise ValueError(f"cannot read tokenizer {path}: {first_line(e)}") from None
         ids = sorted(tok.get_vocab().values())  # 0..V-1, or no vocab.txt can list them (the first save failed)
@@ -191,6 +194,10 @@ def read_tokenizer(path):
     for i, word in enumerate(words):
         if seen.setdefault(word, i) != i:
             raise ValueError(f"vocabulary {path} lists {word!r} twice (lines {seen[word] + 1} and {i + 1})")
+    if not corpus.utf8_names(str(path)):  # the Rust reader below would not find it
+        raise ValueError(f"cannot read vocabulary {path}: a path that is not ASCII under this locale's "
+                         f"{sys.getfilesystemencoding()} file names (the tokenizers library names files in UTF-8): "
+                         f"move it to an ASCII path, or run under a UTF-8 locale (LC_ALL=C.UTF-8)")
     return Tokenizer(models.WordPiece.from_file(str(path), unk_token="[UNK]")), options
 
 def _hub_tokenizer(name):
