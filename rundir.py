@@ -296,7 +296,9 @@ def take_lock(out_dir, name=".lock", what=None):
     try:  # "pid host" only names the holder in another run's error: a full disk must not stop this one here
         f.seek(0)
         f.truncate()
-        f.write(f"{os.getpid()} {socket.gethostname()}")
+        # a host name that is not UTF-8 (the kernel takes any bytes): its bytes as \xNN, not a UnicodeEncodeError
+        host = socket.gethostname().encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        f.write(f"{os.getpid()} {host}")
         f.flush()
     except OSError:
         pass

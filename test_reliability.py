@@ -1981,6 +1981,20 @@ def test_a_lock_taken_over_from_a_dead_run_names_its_new_holder(tmp_path):
         rundir.release_lock(lock)
 
 
+def test_a_host_name_that_is_not_utf8_names_the_lock_holder(tmp_path, monkeypatch):
+    # the kernel takes any bytes as a host name (`hostname` refuses few): Python decodes a latin-1 one with a
+    # surrogate, which the lock's "pid host" could not encode, so train.py and eval.py refused every run with
+    # "error: 'utf-8' codec can't encode character '\\udcf6'"
+    monkeypatch.setattr(socket, "gethostname", lambda: "h\udcf6st")
+    lock = rundir.take_lock(str(tmp_path))
+    try:
+        assert (tmp_path / ".lock").read_text() == f"{os.getpid()} h\\xf6st"
+        with pytest.raises(ValueError, match=rf"in use by process {os.getpid()} on h\\xf6st"):
+            rundir.take_lock(str(tmp_path))
+    finally:
+        rundir.release_lock(lock)
+
+
 @pytest.mark.skipif(os.name == "nt", reason="flock")
 def test_a_file_system_without_locks_runs_unlocked_and_says_so(corpus, cache, tmp_path, capsys, monkeypatch):
     # Lustre without -o flock (ENOSYS), an NFS mount whose lock daemon is gone (ENOLCK), some FUSE mounts: flock
