@@ -1128,6 +1128,8 @@ def run_settings(starts):
         text = (prov.get("git_commit") or "no git")[:7]
         if prov.get("dirty"):
             text += f" + local changes {(prov.get('diff_sha1') or '')[:7]}".rstrip()
+        elif prov.get("git_commit") and "dirty" in prov and prov["dirty"] is None:  # git could not read the checkout
+            text += " + local changes unknown"
         modules = prov.get("modules")
         if isinstance(modules, dict) and label != first:
             moved = sorted(k for k in modules.keys() | ref_modules.keys() if modules.get(k) != ref_modules.get(k))

@@ -488,13 +488,16 @@ def _check_text(ds, where):
     if getattr(ds.features["text"], "dtype", None) not in ("string", "large_string"):
         raise ValueError(f"the 'text' field of {where} holds {ds.features['text']}, not strings")
 
+
 def utf8_names(path):
-    """Whether pyarrow or Rust (tokenizers), which encode a file name as UTF-8 whatever the locale, opens the file the OS calls path: not
-    a non-ASCII path under a locale that is not UTF-8 (LANG=en_US is ISO-8859-1; LC_ALL=C with PYTHONUTF8=0)."""
+    """Whether pyarrow or Rust (tokenizers), which encode a file name as UTF-8 whatever the locale, open the file
+    the OS calls path: not a non-ASCII path under a locale that is not UTF-8 (LANG=en_US is ISO-8859-1; LC_ALL=C
+    with PYTHONUTF8=0)."""
     try:
         return os.fsencode(path) == path.encode("utf-8")
     except UnicodeEncodeError:  # a byte the locale could not decode
         return False
+
 
 def load_corpus(data, files, cache_dir):
     """[(kind, Dataset with a "text" column, name)] in corpus order; kind "lines" or "docs" (row = document).
