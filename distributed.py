@@ -181,7 +181,7 @@ def every_rank(layout, value):
 def lost_peer(error):
     """The first sentence of `error` if it is a collective failing because another process of the run is gone
     (killed, out of memory, a lost node): gloo's "Connection reset by peer", NCCL's ncclRemoteError. Else None:
-    this process's own errors (an NCCL out-of-memory, mismatched shapes) keep their traceback."""
+    this process's own errors (mismatched shapes; out of memory is rundir.out_of_memory's line) keep their traceback."""
     if int(os.environ.get("WORLD_SIZE", 1)) < 2 or not isinstance(error, RuntimeError):
         return None
     line = re.sub(r"^\[[^\]]*\]\s*", "", str(error).strip().split("\n")[0])  # gloo's [source.cc:537] prefix

@@ -58,7 +58,7 @@ class SaveFailed(Exception):
 def run_main(train, argv, usage):
     """train.py's command line: flags -> TrainConfig (or a checkpoint's, with --resume), checked, the
     out_dir locked, then train(cfg, ckpt). Errors become one line and an exit code."""
-    lock = made = None
+    lock = made = cfg = None
     rank = distributed.env_int("RANK")  # torchrun's; errors are printed once, by rank 0
     handlers = distributed.StopSignals.process_handlers()  # put back on the way out: the caller may go on (a notebook)
     try:
@@ -99,7 +99,10 @@ def run_main(train, argv, usage):
     except OSError as e:  # the system failed a read or a write outside a save (a full disk, a lost mount)
         sys.stderr.write(f"error{f' (rank {rank})' if rank else ''}: {e}\n")
         sys.exit(1)
-    except RuntimeError as e:  # another process of a torchrun job died: its own output says why
+    except (RuntimeError, MemoryError) as e:  # another process of a torchrun job died: its own output says why
+        if oom := out_of_memory(e, cfg):  # (a micro-batch too big for the device: one line and the way out)
+            sys.stderr.write(f"error{f' (rank {rank})' if rank else ''}: {oom}\n")
+            sys.exit(1)
         if not (peer := distributed.lost_peer(e)):
             raise
         left = distributed.env_int("TORCHELASTIC_MAX_RESTARTS") - distributed.env_int("TORCHELASTIC_RESTART_COUNT")
@@ -119,6 +122,20 @@ def run_main(train, argv, usage):
         distributed.StopSignals.put_back(handlers)
     if code:
         sys.exit(code)
+
+
+def out_of_memory(error, cfg):
+    """One line for a run out of memory (CUDA's OutOfMemoryError, MPS's, the CPU allocator's, Python's
+    MemoryError) saying what to lower; None for any other error."""
+    text = str(error).strip()
+    if cfg is None or not (isinstance(error, (MemoryError, torch.cuda.OutOfMemoryError)) or re.search(
+            r"out of memory|can't allocate memory|not enough memory", text)):
+        return None
+    saved = os.path.isfile(os.path.join(cfg.out_dir, "ckpt.pt"))
+    return (f"out of memory ({(text.split(chr(10))[0] or type(error).__name__)[:200]}): lower --batch_size (this "
+            f"run's micro-batch, {cfg.batch_size} sequences a process; --tokens_per_step stays, with more gradient "
+            f"accumulation), --seq_len or --model_size; " + (f"{cfg.out_dir}/ckpt.pt stands: --resume {cfg.out_dir} "
+            f"--batch_size N goes on from it" if saved else "no checkpoint was saved yet"))
 
 
 def whose_command_line():

@@ -2034,6 +2034,36 @@ def test_a_leaving_run_deletes_its_lock_file_while_it_still_holds_it(tmp_path, m
     assert held == [True] and lock.closed and not (tmp_path / ".lock").exists()
 
 
+def test_out_of_memory_is_one_line_that_says_what_to_lower_and_the_checkpoint_stands(corpus, cache, tmp_path,
+                                                                                        capsys, monkeypatch):
+    # a micro-batch too big for the GPU (or the CPU's RAM) was a traceback ending in "CUDA out of memory"
+    lr_at = train.lr_at
+    errors = [torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total "
+                                          "capacity of 79.1 GiB\nof which ..."),
+              RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you "
+                           "tried to allocate 123 bytes. Error code 12 (Cannot allocate memory)"), MemoryError()]
+
+    def runs_out(step, cfg):
+        if step == 3:
+            raise errors[0]
+        return lr_at(step, cfg)
+    monkeypatch.setattr(train, "lr_at", runs_out)
+    code, out, err = run_main(flags(corpus, cache, tmp_path / "run", max_steps=6, ckpt_interval=2), capsys)
+    assert code == 1 and err == (
+        f"error: out of memory (CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of 79.1 "
+        f"GiB): lower --batch_size (this run's micro-batch, 8 sequences a process; --tokens_per_step stays, with more "
+        f"gradient accumulation), --seq_len or --model_size; {tmp_path / 'run'}/ckpt.pt stands: --resume "
+        f"{tmp_path / 'run'} --batch_size N goes on from it\n"), err
+    assert hf_io.load_checkpoint_file(str(tmp_path / "run" / "ckpt.pt"))["step"] == 2
+    for error, shown in zip(errors[1:], ("DefaultCPUAllocator: can't allocate memory", "(MemoryError)")):
+        errors[0] = error  # the CPU allocator's RuntimeError, Python's MemoryError; before any checkpoint
+        code, out, err = run_main(flags(corpus, cache, tmp_path / error.__class__.__name__, max_steps=6), capsys)
+        assert code == 1 and err.count("\n") == 1 and shown in err and "no checkpoint was saved yet" in err, err
+    errors[0] = RuntimeError("mat1 and mat2 shapes cannot be multiplied")  # any other error keeps its traceback
+    with pytest.raises(RuntimeError, match="shapes"):
+        run_main(flags(corpus, cache, tmp_path / "other", max_steps=6), capsys)
+
+
 def test_a_lost_peer_is_one_line_and_exit_1_and_an_own_error_keeps_its_traceback(corpus, cache, tmp_path, capsys,
                                                                                  monkeypatch):
     # rundir.run_main around a train() that fails as a torchrun rank's collective fails when another rank died
