@@ -1125,10 +1125,11 @@ def run_settings(starts):
         prov = record.get("provenance")
         if not isinstance(prov, dict):
             return "(not recorded)"
-        text = (prov.get("git_commit") or "no git")[:7]
+        unread = prov.get("dirty", False) is None  # git could not read the checkout (provenance's note)
+        text = prov["git_commit"][:7] if prov.get("git_commit") else "commit unknown" if unread else "no git"
         if prov.get("dirty"):
             text += f" + local changes {(prov.get('diff_sha1') or '')[:7]}".rstrip()
-        elif prov.get("git_commit") and "dirty" in prov and prov["dirty"] is None:  # git could not read the checkout
+        elif unread and prov.get("git_commit"):
             text += " + local changes unknown"
         modules = prov.get("modules")
         if isinstance(modules, dict) and label != first:

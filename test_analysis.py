@@ -610,6 +610,8 @@ def test_compared_runs_say_which_flags_and_code_each_ran_with(tmp_path):
             "mlm": [start_record(objective="mlm", out_dir="out/mlm", new_flag="")],
             "unread": [{**start_record(out_dir="out/unread"), "provenance": {  # git could not read the checkout
                 **start_record()["provenance"], "dirty": None}}],
+            "unowned": [{**start_record(out_dir="out/unowned"), "provenance": {  # nor its commit: not "no git"
+                **start_record()["provenance"], "git_commit": None, "dirty": None}}],
             "resumed": [start_record(max_steps=300),
                         start_record(max_steps=400, modules={"losses.py": "ddd"}, diff_sha1="b838e8c", resume="r",
                                      resumed_from_step=300)]}
@@ -629,6 +631,7 @@ def test_compared_runs_say_which_flags_and_code_each_ran_with(tmp_path):
         "| edit |  | f609645 + local changes 90a97dd (losses.py unlike base's) |",
         "| mlm | --objective mlm --new_flag '' | f609645 |",
         "| unread |  | f609645 + local changes unknown |",
+        "| unowned |  | commit unknown |",
         "| resumed | --max_steps 400 | f609645; from step 300: f609645 + local changes b838e8c (losses.py unlike base's) |"]
     assert A.run_settings({"a": [start_record()]}) == "" and A.run_settings({"a": [], "b": [start_record()]}) == ""
 
