@@ -541,12 +541,15 @@ def random_sentence_pairs(enc, num_pairs, seed=0):
 def _labels(paths, given=None):
     """Legend names: the run directory's name, or more of the path where names collide, or the path given (given:
     the files, where paths are their directories) where two share a directory: a run dir and its ckpt.pt, two logs
-    in one folder. The labels key the results, so two equal labels kept one of the two runs."""
+    in one folder. The labels key the results, so two equal labels kept one of the two runs. A name's bytes the
+    locale could not decode (LC_ALL=C, or latin-1 bytes under UTF-8) are read as UTF-8, else written \\xNN: their
+    surrogates were a matplotlib traceback in the legend."""
     dirs = [os.path.normpath(p if os.path.isdir(p) or not os.path.basename(p).endswith(".pt") else os.path.dirname(p))
             for p in paths]
     names = [os.path.basename(d) for d in dirs]
     labels = [d if names.count(n) > 1 else n for d, n in zip(dirs, names)]
-    return [os.path.normpath(g) if labels.count(l) > 1 else l for l, g in zip(labels, given or paths)]
+    labels = [os.path.normpath(g) if labels.count(l) > 1 else l for l, g in zip(labels, given or paths)]
+    return [l.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace") for l in labels]
 
 
 def _mean(values):

@@ -579,6 +579,11 @@ def test_plot_logs(tmp_path):
     first = (tmp_path / "plots" / "training_curves.md").read_text()  # a run directory stands for its log.jsonl, as in
     assert A.plot_logs([os.path.dirname(a)], str(tmp_path / "plots")) == path  # --plot_log (an IsADirectoryError)
     assert (tmp_path / "plots" / "training_curves.md").read_text() == first
+    # a run directory named in bytes the locale cannot decode (a run made under LC_ALL=C in out/caf\u00e9; latin-1
+    # bytes): its surrogates were a matplotlib traceback in the legend, for --plot_log and --analysis alike
+    odd = write_log(tmp_path / "out" / os.fsdecode(b"caf\xe9") / "log.jsonl", 2)
+    assert A.plot_logs([a, odd], str(tmp_path / "plots")) == path
+    assert "| caf\\xe9 | 100 |" in (tmp_path / "plots" / "training_curves.md").read_text()
     (tmp_path / "plots" / "notes.md").write_text("# my notes\n")  # ... a markdown file of the user's is not
     with pytest.raises(ValueError, match="notes.md exists and is not a table that --plot_log wrote"):
         A.plot_logs([a], str(tmp_path / "plots" / "notes.png"))
