@@ -264,7 +264,8 @@ class StopSignals:
     def __exit__(self, *exc):
         if not self.received:
             for s, handler in self.handlers.items():
-                signal.signal(s, handler)
+                if handler is not None:  # None: one set outside Python (an embedding program), which cannot be set back
+                    signal.signal(s, handler)
 
     def on_signal(self, signum, frame):
         if self.received and signum == signal.SIGINT:  # a second Ctrl-C: stop now
@@ -290,7 +291,7 @@ class StopSignals:
             except (OSError, ValueError, AttributeError):
                 pass
         for s, handler in handlers.items():
-            if handler is not None:  # None: set outside Python, left as it is
+            if handler is not None:  # None: one set outside Python, which cannot be set back
                 signal.signal(s, handler)
 
     @property

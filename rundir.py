@@ -100,10 +100,10 @@ def run_main(train, argv, usage):
         sys.stderr.write(f"error{f' (rank {rank})' if rank else ''}: {e}\n")
         sys.exit(1)
     except (RuntimeError, MemoryError) as e:  # another process of a torchrun job died: its own output says why
-        if oom := out_of_memory(e, cfg):  # (a micro-batch too big for the device: one line and the way out)
-            sys.stderr.write(f"error{f' (rank {rank})' if rank else ''}: {oom}\n")
-            sys.exit(1)
         if not (peer := distributed.lost_peer(e)):
+            if oom := out_of_memory(e, cfg):  # a micro-batch too big for the device: one line and the way out
+                sys.stderr.write(f"error{f' (rank {rank})' if rank else ''}: {oom}\n")
+                sys.exit(1)
             raise
         left = distributed.env_int("TORCHELASTIC_MAX_RESTARTS") - distributed.env_int("TORCHELASTIC_RESTART_COUNT")
         then = (f"torchrun restarts the job ({left} restart(s) left), which goes on from it where the command has "
@@ -132,7 +132,9 @@ def out_of_memory(error, cfg):
             r"out of memory|can't allocate memory|not enough memory", text)):
         return None
     saved = os.path.isfile(os.path.join(cfg.out_dir, "ckpt.pt"))
-    return (f"out of memory ({(text.split(chr(10))[0] or type(error).__name__)[:200]}): lower --batch_size (this "
+    # its first two sentences ("CUDA out of memory. Tried to allocate 2.00 GiB"): CUDA's goes on for a paragraph
+    said = ". ".join((text.splitlines() or [type(error).__name__])[0].split(". ")[:2])[:200]
+    return (f"out of memory ({said}): lower --batch_size (this "
             f"run's micro-batch, {cfg.batch_size} sequences a process; --tokens_per_step stays, with more gradient "
             f"accumulation), --seq_len or --model_size; " + (f"{cfg.out_dir}/ckpt.pt stands: --resume {cfg.out_dir} "
             f"--batch_size N goes on from it" if saved else "no checkpoint was saved yet"))
@@ -292,8 +294,9 @@ def take_lock(out_dir, name=".lock", what=None):
         except OSError as e:
             if e.errno not in LOCK_HELD:  # a file system without locks (Lustre without -o flock, some NFS and
                 # FUSE mounts): no run holds this lock, and refusing would stop every run there. Go on unlocked
-                print(f"note: cannot lock {path} ({e.strerror}): this file system has no file locks, so a second "
-                      f"run on {out_dir} would not be refused; run one at a time there", file=sys.stderr)
+                print(f"note: cannot lock {path} ({e.strerror}): this file system has no file locks, so another "
+                      f"writer into {what or f'--out_dir {out_dir}'} would not be refused; run one at a time there",
+                      file=sys.stderr)
                 break
             try:
                 f.seek(0)
@@ -509,7 +512,7 @@ def provenance(out_dir=None, diff_name="code.diff"):
                 for name in git("ls-files", "--others", "--exclude-standard", "--full-name", ":/*.py").stdout.split():
                     with open(os.path.join(top, name), encoding="utf-8", errors="replace") as f:  # an ablation's module
                         diff += f"untracked file {name}:\n" + "".join("+" + line for line in f)
-        elif "not a git repository" not in out.stderr:
+        elif not re.search("not a git repository|ambiguous argument 'HEAD'", out.stderr):  # (or no commit yet)
             unread = f"`git rev-parse HEAD` failed ({failed(out)})"
     except subprocess.TimeoutExpired as e:
         unread = f"`{' '.join(e.cmd)}` did not answer in {GIT_TIMEOUT} s"

@@ -1591,6 +1591,13 @@ def test_a_checkout_git_cannot_read_is_a_note_not_a_clean_checkout_or_a_stop(tmp
     git("add", "losses.py")
     git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x")
     (repo / "losses.py").write_bytes(b"weight = 0.5  # caf\xe9\n")
+    (tmp_path / "unborn").mkdir()  # a checkout with no commit yet: no commit, and no note
+    subprocess.run(["git", "-C", str(tmp_path / "unborn"), "init", "-q"], check=True)
+    monkeypatch.setenv("GIT_DIR", str(tmp_path / "unborn" / ".git"))
+    monkeypatch.setenv("GIT_WORK_TREE", str(tmp_path / "unborn"))
+    capsys.readouterr()
+    prov = rundir.provenance(str(out))
+    assert prov["git_commit"] is None and prov["dirty"] is False and capsys.readouterr().out == ""
     monkeypatch.setenv("GIT_DIR", str(repo / ".git"))
     monkeypatch.setenv("GIT_WORK_TREE", str(repo))
     prov = rundir.provenance(str(out))
@@ -2010,7 +2017,8 @@ def test_a_file_system_without_locks_runs_unlocked_and_says_so(corpus, cache, tm
     code, out, err = run_main(flags(corpus, cache, tmp_path / "run", max_steps=2), capsys)
     assert code == 0 and "done: steps 0 -> 2" in out, err
     assert err == (f"note: cannot lock {tmp_path / 'run' / '.lock'} (Function not implemented): this file system has "
-                   f"no file locks, so a second run on {tmp_path / 'run'} would not be refused; run one at a time there\n")
+                   f"no file locks, so another writer into --out_dir {tmp_path / 'run'} would not be refused; run one at a time "
+                   f"there\n")
     assert not hf_io.still_training(str(tmp_path / "run"))  # it cannot tell: not "still training"
     reproduce.try_lock(str(tmp_path / "r.lock")).close()  # reproduce.py goes on too
     # a lock another process holds is still refused, by take_lock, reproduce.py and still_training
@@ -2039,7 +2047,7 @@ def test_out_of_memory_is_one_line_that_says_what_to_lower_and_the_checkpoint_st
     # a micro-batch too big for the GPU (or the CPU's RAM) was a traceback ending in "CUDA out of memory"
     lr_at = train.lr_at
     errors = [torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total "
-                                          "capacity of 79.1 GiB\nof which ..."),
+                                          "capacity of 79.1 GiB of which 1.2 GiB is free. Including non-PyTorch ..."),
               RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you "
                            "tried to allocate 123 bytes. Error code 12 (Cannot allocate memory)"), MemoryError()]
 
@@ -2050,8 +2058,7 @@ def test_out_of_memory_is_one_line_that_says_what_to_lower_and_the_checkpoint_st
     monkeypatch.setattr(train, "lr_at", runs_out)
     code, out, err = run_main(flags(corpus, cache, tmp_path / "run", max_steps=6, ckpt_interval=2), capsys)
     assert code == 1 and err == (
-        f"error: out of memory (CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of 79.1 "
-        f"GiB): lower --batch_size (this run's micro-batch, 8 sequences a process; --tokens_per_step stays, with more "
+        f"error: out of memory (CUDA out of memory. Tried to allocate 20.00 GiB): lower --batch_size (this run's micro-batch, 8 sequences a process; --tokens_per_step stays, with more "
         f"gradient accumulation), --seq_len or --model_size; {tmp_path / 'run'}/ckpt.pt stands: --resume "
         f"{tmp_path / 'run'} --batch_size N goes on from it\n"), err
     assert hf_io.load_checkpoint_file(str(tmp_path / "run" / "ckpt.pt"))["step"] == 2
