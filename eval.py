@@ -55,7 +55,7 @@ from glue_scores import AVG8, AVG9, MAIN, glue_table, like_for_like, score
 from glue_tasks import SUBMISSIONS, TASKS, TaskMissing, load_task
 from hf_io import config_to_hf, still_training, write_hf_dir
 from model import Bert
-from rundir import locked, move_aside
+from rundir import locked, memory_error, move_aside
 
 # ----------------------------------------------------------------------------------------------
 # Tasks and data
@@ -776,6 +776,12 @@ def main(argv=None):
         sys.exit(2)
     except OSError as e:  # a write the system refused (a full disk): the file it names keeps its last whole version
         print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except (RuntimeError, MemoryError) as e:  # out of memory: one line and what to lower; other errors: a traceback
+        if not (said := memory_error(e)):
+            raise
+        print(f"error: out of memory ({said}): lower --batch_size (it overrides the recipe's 32 or 64) or --max_len; "
+              f"glue.json keeps what an earlier call wrote", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt as e:
         print("interrupted" + (f": {e}" if str(e) else ""), file=sys.stderr)

@@ -124,16 +124,22 @@ def run_main(train, argv, usage):
         sys.exit(code)
 
 
-def out_of_memory(error, cfg):
-    """One line for a run out of memory (CUDA's OutOfMemoryError, MPS's, the CPU allocator's, Python's
-    MemoryError) saying what to lower; None for any other error."""
+def memory_error(error):
+    """What a device out of memory said (CUDA's OutOfMemoryError, MPS's, the CPU allocator's, Python's
+    MemoryError): its first two sentences ("CUDA out of memory. Tried to allocate 2.00 GiB"; CUDA's goes on for a
+    paragraph). None for any other error."""
     text = str(error).strip()
-    if cfg is None or not (isinstance(error, (MemoryError, torch.cuda.OutOfMemoryError)) or re.search(
+    if not (isinstance(error, (MemoryError, torch.cuda.OutOfMemoryError)) or re.search(
             r"out of memory|can't allocate memory|not enough memory", text)):
         return None
+    return ". ".join((text.splitlines() or [type(error).__name__])[0].split(". ")[:2])[:200]
+
+
+def out_of_memory(error, cfg):
+    """One line for a run out of memory saying what to lower; None for any other error."""
+    if cfg is None or not (said := memory_error(error)):
+        return None
     saved = os.path.isfile(os.path.join(cfg.out_dir, "ckpt.pt"))
-    # its first two sentences ("CUDA out of memory. Tried to allocate 2.00 GiB"): CUDA's goes on for a paragraph
-    said = ". ".join((text.splitlines() or [type(error).__name__])[0].split(". ")[:2])[:200]
     return (f"out of memory ({said}): lower --batch_size (this "
             f"run's micro-batch, {cfg.batch_size} sequences a process; --tokens_per_step stays, with more gradient "
             f"accumulation), --seq_len or --model_size; " + (f"{cfg.out_dir}/ckpt.pt stands: --resume {cfg.out_dir} "

@@ -1061,6 +1061,25 @@ def test_a_full_disk_is_one_error_line_and_keeps_the_earlier_glue_json(tmp_path,
     assert sorted(os.listdir(tmp_path / "out")) == ["glue.json", "glue.md"]  # no temporary file, no lock left
 
 
+def test_eval_out_of_memory_is_one_line(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    # fine-tuning out of GPU memory was a traceback; it is one line naming the flags that lower the memory it needs
+    argv = ["--model", str(tiny_model_dir), "--glue_dir", str(write_glue(tmp_path / "glue")), "--tasks", "cola",
+            "--out", str(tmp_path / "out")]
+
+    def runs_out(*args):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total ...")
+    monkeypatch.setattr(ev, "finetune", runs_out)
+    with pytest.raises(SystemExit) as exit_info:
+        ev.main(argv)
+    assert exit_info.value.code == 1
+    assert capsys.readouterr().err == ("error: out of memory (CUDA out of memory. Tried to allocate 2.00 GiB): lower "
+                                       "--batch_size (it overrides the recipe's 32 or 64) or --max_len; glue.json "
+                                       "keeps what an earlier call wrote\n")
+    monkeypatch.setattr(ev, "finetune", lambda *args: 1 / 0)  # any other error keeps its traceback
+    with pytest.raises(ZeroDivisionError):
+        ev.main(argv)
+
+
 def test_a_fine_tuned_model_the_disk_refuses_is_one_error_line(tmp_path, tiny_model_dir, capsys):
     # --save_model: safetensors reports a refused write as its own SafetensorError, which was a traceback
     from test_reliability import file_size_limit
