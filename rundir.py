@@ -140,10 +140,10 @@ def out_of_memory(error, cfg):
     if cfg is None or not (said := memory_error(error)):
         return None
     saved = os.path.isfile(os.path.join(cfg.out_dir, "ckpt.pt"))
-    return (f"out of memory ({said}): lower --batch_size (this "
-            f"run's micro-batch, {cfg.batch_size} sequences a process; --tokens_per_step stays, with more gradient "
-            f"accumulation), --seq_len or --model_size; " + (f"{cfg.out_dir}/ckpt.pt stands: --resume {cfg.out_dir} "
-            f"--batch_size N goes on from it" if saved else "no checkpoint was saved yet"))
+    return (f"out of memory ({said}): lower --batch_size (this run's micro-batch, {cfg.batch_size} sequences a "
+            f"process; --tokens_per_step stays, with more gradient accumulation), --seq_len or --model_size; " + (
+                f"{cfg.out_dir}/ckpt.pt stands: --resume {cfg.out_dir} --batch_size N goes on from it" if saved
+                else "no checkpoint was saved yet"))
 
 
 def whose_command_line():

@@ -282,14 +282,17 @@ def making(*paths):
         yield
         return
     with lock:
+        no_locks = False
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
-            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):  # a file system without locks: as on Windows
-                yield
-                return
-            print(f"waiting for another process preparing {paths[0]}", flush=True)
-            fcntl.flock(lock, fcntl.LOCK_EX)
+            no_locks = e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN)  # a file system without locks
+            if not no_locks:
+                print(f"waiting for another process preparing {paths[0]}", flush=True)
+                fcntl.flock(lock, fcntl.LOCK_EX)
+        if no_locks:  # as on Windows: leftovers stay, never read
+            yield
+            return
         stale = re.compile("|".join(re.escape(p.name) + r"\.tmp\d+" for p in paths))
         for entry in paths[0].parent.iterdir():
             if stale.fullmatch(entry.name):
