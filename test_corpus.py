@@ -7,6 +7,7 @@ import importlib.util
 import json
 import lzma
 import os
+import pathlib
 import re
 import shutil
 import subprocess
@@ -1168,3 +1169,24 @@ def test_a_zst_that_expands_enormously_is_read_in_bounded_memory(tmp_path):
     finally:
         tracemalloc.stop()
     assert peak < 100e6, f"{peak / 1e6:.0f} MB traced"
+
+
+def test_a_cached_file_another_user_owns_is_one_error_and_stays(tmp_path, monkeypatch):
+    # a shared --cache_dir where another user's umask left their files unreadable to us: the tokenizer was said to be
+    # "unreadable: training it again" (its removal failed quietly; the new one could not replace it after the whole
+    # training), and the token stream "incomplete or corrupt: rebuilding it"; neither is damaged. (Tests run as
+    # root, whom chmod does not stop: open raises as it would for another user.)
+    path = tmp_path / "a.txt"
+    path.write_text(_wikiextractor_text())
+    data.prepare_data(str(path), tmp_path / "cache", vocab_size=200)
+    kept = {p: p.read_bytes() for p in (tmp_path / "cache").rglob("*") if p.is_file()}
+    real_open = builtins.open
+    for theirs in ("tokenizer-*/tokenizer.json", "tokenizer-*/vocab.txt", "tokens-*.bin", "tokens-*.json"):
+        locked = next((tmp_path / "cache").glob(theirs))
+        monkeypatch.setattr(builtins, "open", lambda f, *a, **k: (_ for _ in ()).throw(PermissionError(
+            13, "Permission denied", str(f))) if pathlib.Path(f) == locked else real_open(f, *a, **k))
+        with pytest.raises(ValueError, match=rf"cannot read {re.escape(str(locked))} in the cache \(Permission "
+                                             rf"denied\): another user's files\? pass a --cache_dir of your own"):
+            data.prepare_data(str(path), tmp_path / "cache", vocab_size=200)
+        monkeypatch.setattr(builtins, "open", real_open)
+        assert {p: p.read_bytes() for p in (tmp_path / "cache").rglob("*") if p.is_file()} == kept, theirs

@@ -27,7 +27,8 @@ What it guarantees:
 - a token file is reused only when it has the size and checksum its sidecar records, and the sidecar is
   written last: a truncated or half-written cache is rebuilt (and says so), never trained on, and so is a
   corrupted one where the checksum reads (all of a file up to 64 MiB, sampled chunks of a larger one);
-  a cached tokenizer with an unreadable or inconsistent file is trained again;
+  a cached tokenizer with an unreadable or inconsistent file is trained again; a cached file this user may not
+  read (another user's, in a shared cache) is one ValueError, and stays;
 - every file appears whole (a temporary file, on disk, then os.replace): a kill or a power cut never
   leaves a partial file under its real name, and what killed writers left is removed by the next run that
   takes the lock;
@@ -367,10 +368,23 @@ def checksum(path, chunk=1 << 16):
                 h.update(f.read(chunk))
     return h.hexdigest()
 
+def ours_to_read(*paths):
+    """Refuse, in one line, a cached file this user may not read: another user's, in a shared --cache_dir. It is
+    not damaged, so it is neither removed nor made again over theirs (which failed only after the whole work)."""
+    for path in paths:
+        try:
+            open(path, "rb").close()
+        except PermissionError as e:
+            raise ValueError(f"cannot read {path} in the cache ({e.strerror}): another user's files? pass a "
+                             f"--cache_dir of your own") from None
+        except OSError:  # missing or not a file: the checks after this say so
+            pass
+
 def cache_ok(path):
     """True when the token cache exists and matches the size and checksum in its sidecar."""
     if not path.exists():
         return False
+    ours_to_read(path, sidecar(path))
     try:
         meta = json.loads(sidecar(path).read_text(encoding="utf-8"))
         if path.stat().st_size == meta["bytes"] and checksum(path) == meta["checksum"]:
@@ -397,6 +411,7 @@ def cached_tokenizer(dir):
     then removed)."""
     if not dir.exists():
         return None
+    ours_to_read(dir, *(dir / name for name in ("tokenizer.json", "vocab.txt", "tokenizer_config.json")))
     try:
         tok, _ = read_tokenizer(dir / "tokenizer.json")
         if not vocab_matches(tok, dir):
