@@ -39,6 +39,8 @@ def pytest_cmdline_main(config):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: a long end-to-end test, run only with --slow")
+    # torch's own, at the compiler's import (torch.utils.mkldnn): nothing a test here can change
+    config.addinivalue_line("filterwarnings", "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 
 
 def pytest_collection_modifyitems(config, items):

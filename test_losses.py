@@ -1340,6 +1340,8 @@ def test_a_float32_step_makes_no_float64_tensor(name):
 
 
 @pytest.mark.parametrize("name", sorted(LOSSES))
+# COCO-LM's crop_lengths is lru_cached: dynamo traces its body (Python ints into a constant tensor), as wanted here
+@pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`-wrapped function")
 def test_a_training_forward_has_no_host_sync(name):
     """docs/efficiency.md's "no host-device sync inside the step": traced whole by torch._dynamo, each objective's
     training forward breaks only at its seeded torch.Generator draws, never at a .item(), a shape that
