@@ -6,8 +6,8 @@ the command line (`pytest test_train.py::test_x`) runs whether it is slow or not
 
 The tests run in one worker process a core (pytest-xdist, at most 8), each with one thread, a file's tests in
 one worker (its module fixtures made once): on 2 cores the fast suite took 155-176 s against 267 s in one
-process. `-n 0` runs them in this process (for `-s` or a debugger; `--pdb` does that itself), `-n N` in N
-workers; one file, or a test named with `::`, runs here (test_cuda.py on a GPU machine, a -k selection)."""
+process. `-n N` runs them in N workers, `-n 0` in this process, as do `-s`, `--pdb` and `--trace` (a worker
+hides output and debuggers), one file, or a test named with `::` (test_cuda.py on a GPU machine, a -k selection)."""
 import os
 
 import pytest
@@ -25,16 +25,17 @@ def pytest_cmdline_main(config):
     if not config.pluginmanager.hasplugin("xdist") or hasattr(config, "workerinput"):
         return  # (a worker: xdist runs this hook there too, with -n unset)
     one_file = len(config.args) == 1 and config.args[0].endswith(".py")  # one worker would run it all (loadfile)
-    if config.option.numprocesses is None and not config.getoption("usepdb") and not one_file \
-            and not any("::" in arg for arg in config.args):
+    here = config.getoption("usepdb") or config.getoption("trace") or config.getoption("capture") == "no"  # -s
+    if config.option.numprocesses is None and not here and not one_file and not any("::" in a for a in config.args):
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         if cores > 1:
             config.option.numprocesses = min(cores, MAX_WORKERS)
-            os.environ.setdefault("OMP_NUM_THREADS", "1")  # workers inherit it: 2 workers x 2 threads each ran slower
-    if config.option.numprocesses and config.option.dist == "no":
-        # a module's tests in one worker, its module fixtures made once: test_device_run.py's trains all four chunks
-        # (200 s), test_cuda.py's starts every run of its end-to-end tests (xdist's default splits a module)
-        config.option.dist = "loadfile"
+    if config.option.numprocesses:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")  # workers inherit it: 2 workers x 2 threads each ran slower
+        if config.option.dist == "no":
+            # a module's tests in one worker, its module fixtures made once: test_device_run.py's trains all four
+            # chunks (200 s), test_cuda.py's starts every run of its end-to-end tests (xdist's default splits a module)
+            config.option.dist = "loadfile"
 
 
 def pytest_configure(config):

@@ -1190,3 +1190,7 @@ def test_a_cached_file_another_user_owns_is_one_error_and_stays(tmp_path, monkey
             data.prepare_data(str(path), tmp_path / "cache", vocab_size=200)
         monkeypatch.setattr(builtins, "open", real_open)
         assert {p: p.read_bytes() for p in (tmp_path / "cache").rglob("*") if p.is_file()} == kept, theirs
+    # Windows' open of a directory is a PermissionError (IsADirectoryError here): the cache's folders are not read
+    monkeypatch.setattr(builtins, "open", lambda f, *a, **k: (_ for _ in ()).throw(PermissionError(
+        13, "Permission denied", str(f))) if os.path.isdir(f) else real_open(f, *a, **k))
+    data.prepare_data(str(path), tmp_path / "cache", vocab_size=200)

@@ -411,7 +411,7 @@ def cached_tokenizer(dir):
     then removed)."""
     if not dir.exists():
         return None
-    ours_to_read(dir, *(dir / name for name in ("tokenizer.json", "vocab.txt", "tokenizer_config.json")))
+    ours_to_read(*(dir / name for name in ("tokenizer.json", "vocab.txt", "tokenizer_config.json")))
     try:
         tok, _ = read_tokenizer(dir / "tokenizer.json")
         if not vocab_matches(tok, dir):
