@@ -1194,3 +1194,14 @@ def test_a_cached_file_another_user_owns_is_one_error_and_stays(tmp_path, monkey
     monkeypatch.setattr(builtins, "open", lambda f, *a, **k: (_ for _ in ()).throw(PermissionError(
         13, "Permission denied", str(f))) if os.path.isdir(f) else real_open(f, *a, **k))
     data.prepare_data(str(path), tmp_path / "cache", vocab_size=200)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs")
+def test_a_fifo_in_a_cached_tokenizer_is_not_waited_on(tmp_path):
+    # the check for another user's files opens each file: a FIFO's open would wait for a writer forever (a process
+    # of its own, so that the test fails rather than hangs)
+    os.mkfifo(tmp_path / "tokenizer.json")
+    code = "import pathlib, sys, token_files; print(token_files.cached_tokenizer(pathlib.Path(sys.argv[1])))"
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=os.path.dirname(os.path.abspath(__file__)),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip().endswith("None"), r.stdout + r.stderr

@@ -371,13 +371,13 @@ def checksum(path, chunk=1 << 16):
 def ours_to_read(*paths):
     """Refuse, in one line, a cached file this user may not read: another user's, in a shared --cache_dir. It is
     not damaged, so it is neither removed nor made again over theirs (which failed only after the whole work)."""
-    for path in paths:
+    for path in filter(os.path.isfile, paths):  # (missing, a folder, a FIFO whose open would wait: checked after this)
         try:
             open(path, "rb").close()
         except PermissionError as e:
             raise ValueError(f"cannot read {path} in the cache ({e.strerror}): another user's files? pass a "
                              f"--cache_dir of your own") from None
-        except OSError:  # missing or not a file: the checks after this say so
+        except OSError:  # the checks after this say what
             pass
 
 def cache_ok(path):
