@@ -28,8 +28,8 @@ def pytest_cmdline_main(config):
     here = config.getoption("usepdb") or config.getoption("trace") or config.getoption("capture") == "no"  # -s
     if config.option.numprocesses is None and not here and not one_file and not any("::" in a for a in config.args):
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        if cores > 1:
-            config.option.numprocesses = min(cores, MAX_WORKERS)
+        if cores > 1:  # xdist's count (PYTEST_XDIST_AUTO_NUM_WORKERS where set), at most MAX_WORKERS
+            config.option.numprocesses, config.option.maxprocesses = "auto", config.option.maxprocesses or MAX_WORKERS
     if config.option.numprocesses:
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # workers inherit it: 2 workers x 2 threads each ran slower
         if config.option.dist == "no":
