@@ -5,7 +5,7 @@ subprocesses, DDP on gloo, signals and kills, reproduce.py); CI always passes it
 the command line (`pytest test_train.py::test_x`) runs whether it is slow or not.
 
 The tests run in one worker process a core (pytest-xdist, at most 8), each with one thread, a file's tests in
-one worker (its module fixtures made once): on 2 cores the fast suite took 155-176 s against 267 s in one
+one worker (its module fixtures made once): on 2 cores the fast suite took 155-187 s against 267 s in one
 process. `-n N` runs them in N workers, `-n 0` in this process, as do `-s`, `--pdb` and `--trace` (a worker
 hides output and debuggers), one file, or a test named with `::` (test_cuda.py on a GPU machine, a -k selection)."""
 import os
