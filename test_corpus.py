@@ -463,7 +463,6 @@ def test_a_card_data_dir_holds_a_link_to_its_file(tmp_path):
 
 def test_splitting_a_folder_of_many_files_is_linear(tmp_path, monkeypatch):
     # each file was looked up in each split's list: a plain folder of 15,000 files took 18 s, twice (0.4 s before)
-    import pathlib
     files = [tmp_path / f"doc{i:05d}.txt" for i in range(3000)]
     compared, eq = [0], pathlib.PurePath.__eq__
     def counted(self, other):
